@@ -1,0 +1,95 @@
+#include "cuda_driver.h"
+
+#include <dlfcn.h>
+
+#include <mutex>
+
+#include "errors.h"
+
+namespace torch_ipc {
+namespace {
+
+constexpr int kDriverAbi = 12000;  // entry points as of CUDA 12.0
+
+using GetProcAddress = CUresult (*)(const char*, void**, int, cuuint64_t,
+                                    CUdriverProcAddressQueryResult*);
+
+struct Loaded {
+  DriverApi api;
+  std::string error;  // empty when loaded
+};
+
+Loaded load() {
+  Loaded out;
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    out.error = std::string("no CUDA driver: dlopen(libcuda.so.1) failed: ") + dlerror();
+    return out;
+  }
+  auto get_proc = reinterpret_cast<GetProcAddress>(dlsym(lib, "cuGetProcAddress_v2"));
+  if (get_proc == nullptr) {
+    out.error = "the CUDA driver is too old: cuGetProcAddress_v2 is missing (need a driver for CUDA 12 or newer)";
+    return out;
+  }
+#define TORCH_IPC_RESOLVE(name)                                                      \
+  {                                                                                   \
+    void* fn = nullptr;                                                               \
+    CUdriverProcAddressQueryResult status;                                            \
+    if (get_proc(#name, &fn, kDriverAbi, CU_GET_PROC_ADDRESS_DEFAULT, &status) !=     \
+            CUDA_SUCCESS ||                                                           \
+        fn == nullptr) {                                                              \
+      out.error = "the CUDA driver lacks " #name;                                     \
+      return out;                                                                     \
+    }                                                                                 \
+    out.api.name = reinterpret_cast<decltype(out.api.name)>(fn);                      \
+  }
+  TORCH_IPC_DRIVER_FUNCTIONS(TORCH_IPC_RESOLVE)
+#undef TORCH_IPC_RESOLVE
+  CUresult init = out.api.cuInit(0);
+  if (init != CUDA_SUCCESS) {
+    const char* name = nullptr;
+    out.api.cuGetErrorName(init, &name);
+    out.error = std::string("cuInit failed: ") + (name ? name : "unknown error");
+  }
+  return out;
+}
+
+const Loaded& loaded() {
+  static const Loaded instance = load();
+  return instance;
+}
+
+}  // namespace
+
+const DriverApi& driver() {
+  const Loaded& l = loaded();
+  if (!l.error.empty()) throw CudaUnavailable("torch_ipc: CUDA is not usable here: " + l.error);
+  return l.api;
+}
+
+bool driver_available(std::string* why_not) {
+  const Loaded& l = loaded();
+  if (why_not) *why_not = l.error;
+  return l.error.empty();
+}
+
+std::string driver_error_message(const char* call, CUresult result) {
+  const char* name = nullptr;
+  const char* text = nullptr;
+  const Loaded& l = loaded();
+  if (l.error.empty()) {
+    l.api.cuGetErrorName(result, &name);
+    l.api.cuGetErrorString(result, &text);
+  }
+  return std::string(call) + " failed: " + (name ? name : "CUDA_ERROR_" + std::to_string(result)) +
+         " (" + (text ? text : "unknown") + ")";
+}
+
+void throw_driver_error(const char* call, CUresult result) {
+  const char* name = nullptr;
+  const Loaded& l = loaded();
+  if (l.error.empty()) l.api.cuGetErrorName(result, &name);
+  throw CudaError(driver_error_message(call, result), name ? name : "");
+}
+
+}  // namespace torch_ipc

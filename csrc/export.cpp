@@ -1,0 +1,396 @@
+#include "export.h"
+
+#include <c10/core/StorageImpl.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+#include "cuda_context.h"
+#include "cuda_driver.h"
+#include "errors.h"
+#include "host_memory.h"
+#include "import.h"
+#include "process.h"
+#include "refcount.h"
+
+namespace torch_ipc {
+namespace {
+
+// Where a storage's bytes live, as the descriptor says it.
+struct StorageLocation {
+  AllocKind kind;
+  int device;  // CUDA index, -1 for host
+  Handle64 handle{};
+  uint64_t base_size = 0;
+  uint64_t offset = 0;  // of the storage inside the base allocation
+};
+
+// Note [base allocation]
+// CUDA IPC shares whole allocations, and torch's caching allocator carves many
+// storages out of one cudaMalloc segment. So we send the handle of the segment
+// plus the storage's offset inside it, as torch does. Looking the segment up
+// costs a driver call and getting its handle another; both are cached:
+//   - by StorageImpl (weakly): a storage sent again costs one hash lookup;
+//   - by the driver's BUFFER_ID, a process-wide unique id of the allocation,
+//     so a segment freed and another allocated at the same address never
+//     reuses a stale handle.
+struct BufferInfo {
+  Handle64 handle;
+  uint64_t base;
+  uint64_t size;
+};
+struct CachedStorage {
+  c10::weak_intrusive_ptr<c10::StorageImpl> weak;
+  const void* data;
+  StorageLocation location;
+};
+
+struct EventSlot {
+  CUevent event = nullptr;
+  Handle64 handle{};
+};
+
+// Note [event pool]
+// The consumer's stream waits on an interprocess event that the producer
+// records on its current stream at export. Opening an IPC event costs ~150 us
+// in the consumer, so each producer records into a small pool per device that
+// every consumer opens once. Re-recording an event a consumer has not waited
+// on yet only makes that consumer wait for later work: still correct.
+constexpr int kEventsPerDevice = 4;
+struct EventPool {
+  std::vector<EventSlot> slots;
+  uint64_t next = 0;
+};
+
+struct ExportRecord {
+  LeaseRecord lease;
+  std::vector<c10::Storage> storages;
+  std::vector<StorageLocation> locations;  // parallel to storages
+  uint64_t bytes = 0;
+};
+
+using LeaseKey = std::tuple<uint32_t, uint32_t, uint64_t>;
+LeaseKey key_of(const LeaseRecord& l) { return {l.segment, l.slot, l.generation}; }
+
+struct Producer {
+  std::mutex mu;
+  std::unordered_map<const c10::StorageImpl*, CachedStorage> storage_cache;
+  std::unordered_map<unsigned long long, BufferInfo> buffer_cache;
+  std::map<int, EventPool> event_pools;
+  std::map<LeaseKey, std::unique_ptr<ExportRecord>> records;
+};
+
+Producer& producer() {
+  static Producer* p = new Producer();  // outlives static destructors
+  return *p;
+}
+
+bool is_cuda(AllocKind k) { return k != AllocKind::CpuShm; }
+
+StorageLocation locate_cuda(const c10::Storage& storage, int device) {
+  Producer& p = producer();
+  const void* data = storage.data();
+  CUdeviceptr start = 0;
+  size_t range = 0;
+  unsigned long long buffer_id = 0;
+  int legacy_ipc = 0;
+  CUpointer_attribute attrs[] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                                 CU_POINTER_ATTRIBUTE_RANGE_SIZE, CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                                 CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE};
+  void* values[] = {&start, &range, &buffer_id, &legacy_ipc};
+  TORCH_IPC_CU(cuPointerGetAttributes, 4, attrs, values, reinterpret_cast<CUdeviceptr>(data));
+  if (!legacy_ipc)
+    throw std::runtime_error(
+        "torch_ipc: this CUDA tensor's memory cannot be shared with CUDA IPC (it comes from "
+        "cuMemCreate, e.g. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or from a "
+        "non-shareable pool)");
+  StorageLocation loc{AllocKind::CudaIpc, device};
+  auto it = p.buffer_cache.find(buffer_id);
+  if (it == p.buffer_cache.end()) {
+    CUipcMemHandle h;
+    TORCH_IPC_CU(cuIpcGetMemHandle, &h, start);
+    BufferInfo info;
+    std::memcpy(info.handle.data(), h.reserved, 64);
+    info.base = start;
+    info.size = range;
+    it = p.buffer_cache.emplace(buffer_id, info).first;
+  }
+  loc.handle = it->second.handle;
+  loc.base_size = it->second.size;
+  loc.offset = reinterpret_cast<uint64_t>(data) - it->second.base;
+  return loc;
+}
+
+StorageLocation locate_host(const c10::Storage& storage) {
+  HostSegment seg = ensure_host_shared(storage);
+  StorageLocation loc{AllocKind::CpuShm, -1};
+  TORCH_CHECK(seg.name.size() < 64, "torch_ipc: shared memory name too long");
+  std::memcpy(loc.handle.data(), seg.name.data(), seg.name.size());
+  loc.base_size = seg.size;
+  loc.offset = 0;
+  return loc;
+}
+
+// Own storages: where they live, through the weak cache.
+StorageLocation locate_own(const c10::Storage& storage) {
+  Producer& p = producer();
+  const c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  auto it = p.storage_cache.find(impl);
+  if (it != p.storage_cache.end()) {
+    auto alive = it->second.weak.lock();
+    if (alive.get() == impl && it->second.data == storage.data()) return it->second.location;
+  }
+  StorageLocation loc;
+  if (storage.device_type() == c10::DeviceType::CUDA) {
+    loc = locate_cuda(storage, storage.device().index());
+  } else if (storage.device_type() == c10::DeviceType::CPU) {
+    loc = locate_host(storage);
+  } else {
+    TORCH_CHECK(false, "torch_ipc shares CUDA and CPU tensors, not ", storage.device());
+  }
+  c10::intrusive_ptr<c10::StorageImpl> strong =
+      c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(const_cast<c10::StorageImpl*>(impl));
+  p.storage_cache.insert_or_assign(
+      impl, CachedStorage{c10::weak_intrusive_ptr<c10::StorageImpl>(strong), storage.data(), loc});
+  return loc;
+}
+
+EventSlot& next_event(int device) {
+  Producer& p = producer();
+  EventPool& pool = p.event_pools[device];
+  if (pool.slots.empty()) {
+    pool.slots.resize(kEventsPerDevice);
+    for (auto& s : pool.slots) {
+      TORCH_IPC_CU(cuEventCreate, &s.event, CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
+      CUipcEventHandle h;
+      TORCH_IPC_CU(cuIpcGetEventHandle, &h, s.event);
+      std::memcpy(s.handle.data(), h.reserved, 64);
+    }
+  }
+  return pool.slots[pool.next++ % pool.slots.size()];
+}
+
+uint16_t index_of_device(Descriptor& d, std::map<int, uint16_t>& seen, int device) {
+  auto it = seen.find(device);
+  if (it != seen.end()) return it->second;
+  uint16_t index = static_cast<uint16_t>(d.devices.size());
+  d.devices.push_back(device_uuid(device));
+  seen.emplace(device, index);
+  return index;
+}
+
+}  // namespace
+
+std::string export_tensors(const std::vector<at::Tensor>& tensors,
+                           const std::vector<bool>& is_parameter, const std::string& payload,
+                           uint32_t consumers) {
+  TORCH_CHECK(consumers >= 1, "torch_ipc: consumers must be at least 1");
+  TORCH_CHECK(is_parameter.empty() || is_parameter.size() == tensors.size(),
+              "torch_ipc: is_parameter must have one entry per tensor");
+  Producer& p = producer();
+  std::lock_guard<std::mutex> lock(p.mu);
+
+  Descriptor d;
+  d.producer = self_process();
+  d.boot_id = boot_id();
+  d.payload = payload;
+
+  std::unordered_map<const c10::StorageImpl*, uint32_t> storage_index;
+  std::map<std::pair<uint8_t, Handle64>, uint32_t> alloc_index;
+  std::map<int, uint16_t> device_index;
+  std::vector<std::pair<bool, LeaseRecord>> alloc_lease;  // (own, forwarded lease)
+  auto record = std::make_unique<ExportRecord>();
+  std::map<LeaseKey, LeaseRecord> forwarded;
+
+  d.tensors.reserve(tensors.size());
+  for (size_t ti = 0; ti < tensors.size(); ++ti) {
+    const at::Tensor& t = tensors[ti];
+    TORCH_CHECK(t.defined(), "torch_ipc: cannot share an undefined tensor");
+    TORCH_CHECK(t.layout() == c10::kStrided, "torch_ipc shares strided tensors, not ", t.layout());
+    TORCH_CHECK(!t.is_quantized(), "torch_ipc cannot share quantized tensors");
+    TORCH_CHECK(!t.is_neg() && !t.is_conj(),
+                "torch_ipc: resolve lazy conjugation/negation first (tensor.resolve_conj())");
+    const c10::Storage& storage = t.storage();
+    const c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+    auto found = storage_index.find(impl);
+    uint32_t si;
+    if (found != storage_index.end()) {
+      si = found->second;
+    } else {
+      StorageRecord sr;
+      bool cuda = storage.device_type() == c10::DeviceType::CUDA;
+      TORCH_CHECK(cuda || storage.device_type() == c10::DeviceType::CPU,
+                  "torch_ipc shares CUDA and CPU tensors, not ", storage.device());
+      sr.kind = cuda ? AllocKind::CudaIpc : AllocKind::CpuShm;
+      sr.device = cuda ? index_of_device(d, device_index, storage.device().index()) : kNone16;
+      sr.nbytes = storage.nbytes();
+      if (sr.nbytes != 0 && storage.data() != nullptr) {
+        StorageLocation loc;
+        bool own = true;
+        LeaseRecord lease;
+        if (storage.data_ptr().get_deleter() == &delete_imported_storage) {
+          // A tensor this process received: send the owner's memory and lease on.
+          auto* ctx = static_cast<ImportedStorage*>(storage.data_ptr().get_context());
+          loc = {ctx->mapping->kind, ctx->mapping->device, ctx->mapping->handle,
+                 ctx->mapping->size, ctx->offset};
+          own = false;
+          lease = ctx->hold->lease;
+          forwarded.emplace(key_of(lease), lease);
+        } else {
+          std::optional<ScopedContext> scope;
+          if (cuda) scope.emplace(storage.device().index());
+          loc = locate_own(storage);
+          record->storages.push_back(storage);
+          record->locations.push_back(loc);
+          record->bytes += sr.nbytes;
+        }
+        sr.kind = loc.kind;
+        auto key = std::make_pair(static_cast<uint8_t>(loc.kind), loc.handle);
+        auto a = alloc_index.find(key);
+        if (a == alloc_index.end()) {
+          AllocRecord ar;
+          ar.kind = loc.kind;
+          ar.device = sr.device;
+          ar.size = loc.base_size;
+          ar.handle = loc.handle;
+          a = alloc_index.emplace(key, static_cast<uint32_t>(d.allocs.size())).first;
+          d.allocs.push_back(ar);
+          alloc_lease.emplace_back(own, lease);
+        }
+        sr.alloc = a->second;
+        sr.offset = loc.offset;
+      }
+      si = static_cast<uint32_t>(d.storages.size());
+      storage_index.emplace(impl, si);
+      d.storages.push_back(sr);
+      d.flags |= cuda ? kHasCuda : kHasCpu;
+    }
+    TensorRecord tr;
+    tr.storage = si;
+    tr.dtype = static_cast<uint8_t>(t.scalar_type());
+    tr.flags = (t.requires_grad() ? kRequiresGrad : 0) |
+               (!is_parameter.empty() && is_parameter[ti] ? kParameter : 0);
+    tr.storage_offset = t.storage_offset();
+    tr.sizes.assign(t.sizes().begin(), t.sizes().end());
+    tr.strides.assign(t.strides().begin(), t.strides().end());
+    for (int64_t s : tr.strides)
+      TORCH_CHECK(s >= 0, "torch_ipc: tensors with negative strides cannot be shared");
+    d.tensors.push_back(std::move(tr));
+  }
+
+  // Leases: ours first (if this message holds any storage of ours), then the
+  // owners' of forwarded tensors, who get one more token each per consumer.
+  std::map<LeaseKey, uint16_t> lease_index;
+  bool any_own = !record->storages.empty();
+  if (any_own) d.leases.emplace_back();  // slot 0, filled below
+  for (auto& [key, lease] : forwarded) {
+    lease_add_tokens(lease, consumers);
+    lease_index[key] = static_cast<uint16_t>(d.leases.size());
+    d.leases.push_back(lease);
+  }
+  if (any_own) {
+    record->lease = lease_acquire(consumers);
+    d.leases[0] = record->lease;
+  }
+  for (size_t i = 0; i < d.allocs.size(); ++i)
+    d.allocs[i].lease = alloc_lease[i].first ? 0 : lease_index.at(key_of(alloc_lease[i].second));
+
+  for (auto& [device, index] : device_index) {
+    ScopedContext scope(device);
+    EventSlot& slot = next_event(device);
+    TORCH_IPC_CU(cuEventRecord, slot.event, current_stream(device));
+    d.events.push_back(EventRecord{index, producer().event_pools[device].next, slot.handle});
+  }
+
+  std::string bytes = encode(d);
+  if (any_own) {
+    LeaseKey key = key_of(record->lease);
+    p.records.emplace(key, std::move(record));
+  }
+  return bytes;
+}
+
+std::optional<c10::Storage> find_own_storage(const LeaseRecord& lease, AllocKind kind,
+                                             const Handle64& handle, uint64_t offset,
+                                             uint64_t nbytes) {
+  Producer& p = producer();
+  std::lock_guard<std::mutex> lock(p.mu);
+  auto it = p.records.find(key_of(lease));
+  if (it == p.records.end()) return std::nullopt;
+  const ExportRecord& r = *it->second;
+  for (size_t i = 0; i < r.storages.size(); ++i) {
+    const StorageLocation& loc = r.locations[i];
+    if (loc.kind == kind && loc.handle == handle && loc.offset == offset &&
+        r.storages[i].nbytes() == nbytes)
+      return r.storages[i];
+  }
+  return std::nullopt;
+}
+
+CUevent find_own_event(const Handle64& handle) {
+  Producer& p = producer();
+  std::lock_guard<std::mutex> lock(p.mu);
+  for (auto& [device, pool] : p.event_pools)
+    for (auto& s : pool.slots)
+      if (s.handle == handle) return s.event;
+  return nullptr;
+}
+
+int collect_exports() {
+  Producer& p = producer();
+  std::vector<std::unique_ptr<ExportRecord>> reclaimed;
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    for (auto it = p.records.begin(); it != p.records.end();) {
+      if (lease_try_reclaim(it->second->lease)) {
+        reclaimed.push_back(std::move(it->second));
+        it = p.records.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto it = p.storage_cache.begin(); it != p.storage_cache.end();) {
+      if (it->second.weak.expired())
+        it = p.storage_cache.erase(it);
+      else
+        ++it;
+    }
+  }
+  return static_cast<int>(reclaimed.size());  // storages are dropped here, outside the lock
+}
+
+void revoke_exports(const std::vector<LeaseRecord>& leases) {
+  Producer& p = producer();
+  std::lock_guard<std::mutex> lock(p.mu);
+  if (leases.empty()) {
+    for (auto& [key, r] : p.records) lease_revoke_tokens(r->lease);
+  } else {
+    for (const auto& l : leases)
+      if (l.owner == self_process() && p.records.count(key_of(l))) lease_revoke_tokens(l);
+  }
+}
+
+bool export_is_live(const LeaseRecord& lease) {
+  Producer& p = producer();
+  std::lock_guard<std::mutex> lock(p.mu);
+  return p.records.count(key_of(lease)) > 0;
+}
+
+ExportStats export_stats() {
+  Producer& p = producer();
+  std::lock_guard<std::mutex> lock(p.mu);
+  ExportStats s{};
+  for (auto& [key, r] : p.records) {
+    ++s.exports;
+    s.exported_bytes += static_cast<int64_t>(r->bytes);
+    LeaseCounts c = lease_counts(r->lease);
+    s.tokens_pending += c.tokens;
+    s.holders += c.holders;
+    s.dead_holders += c.dead_holders;
+  }
+  return s;
+}
+
+}  // namespace torch_ipc

@@ -1,0 +1,53 @@
+#include "host_memory.h"
+
+#include <atomic>
+#include <cstring>
+
+#include <c10/core/CPUAllocator.h>
+
+#include "process.h"
+
+namespace torch_ipc {
+namespace {
+
+std::atomic<uint32_t> next_segment{0};
+std::atomic<int> live_segments{0};
+
+// The DataPtr context of a storage moved into shared memory by this process.
+struct OwnedHostSegment {
+  std::unique_ptr<ShmMapping> shm;
+  OwnedHostSegment(std::unique_ptr<ShmMapping> m) : shm(std::move(m)) { ++live_segments; }
+  ~OwnedHostSegment() { --live_segments; }
+};
+
+void delete_owned_host_segment(void* ctx) { delete static_cast<OwnedHostSegment*>(ctx); }
+
+}  // namespace
+
+HostSegment ensure_host_shared(const c10::Storage& storage) {
+  const c10::DataPtr& current = storage.data_ptr();
+  if (current.get_deleter() == &delete_owned_host_segment) {
+    auto* seg = static_cast<OwnedHostSegment*>(current.get_context());
+    return {seg->shm->name(), seg->shm->size()};
+  }
+  size_t nbytes = storage.nbytes();
+  static std::once_flag swept;
+  std::call_once(swept, sweep_stale_shm);
+  auto shm = ShmMapping::create(shm_name(self_process(), 'H', next_segment++), nbytes);
+  std::memcpy(shm->data(), current.get(), nbytes);
+  HostSegment out{shm->name(), nbytes};
+  void* data = shm->data();
+  auto* ctx = new OwnedHostSegment(std::move(shm));
+  storage.unsafeGetStorageImpl()->set_data_ptr_noswap(
+      c10::DataPtr(data, ctx, &delete_owned_host_segment, c10::Device(c10::DeviceType::CPU)));
+  return out;
+}
+
+std::shared_ptr<ShmMapping> open_host_segment(const std::string& name, size_t min_size) {
+  auto m = ShmMapping::open(name, min_size);
+  return std::shared_ptr<ShmMapping>(m.release());
+}
+
+int host_segment_count() { return live_segments.load(); }
+
+}  // namespace torch_ipc

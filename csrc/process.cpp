@@ -1,0 +1,90 @@
+#include "process.h"
+
+#include <dirent.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+
+namespace torch_ipc {
+namespace {
+
+// Field 22 of /proc/<pid>/stat; 0 when the process does not exist.
+uint64_t start_time_of(uint32_t pid) {
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%u/stat", pid);
+  std::ifstream f(path);
+  std::string line;
+  if (!f || !std::getline(f, line)) return 0;
+  // The command name (field 2) may hold spaces and parentheses: skip to the last ')'.
+  size_t close = line.rfind(')');
+  if (close == std::string::npos) return 0;
+  const char* p = line.c_str() + close + 2;  // field 3
+  for (int field = 3; field < 22 && *p; ++field) {
+    p = std::strchr(p, ' ');
+    if (p == nullptr) return 0;
+    ++p;
+  }
+  return std::strtoull(p, nullptr, 10);
+}
+
+Uuid read_boot_id() {
+  Uuid id{};
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string text;
+  std::getline(f, text);
+  int n = 0;
+  for (size_t i = 0; i + 1 < text.size() && n < 16; ++i) {
+    if (text[i] == '-') continue;
+    id[n++] = static_cast<uint8_t>(std::stoi(text.substr(i, 2), nullptr, 16));
+    ++i;
+  }
+  return id;
+}
+
+}  // namespace
+
+const ProcessId& self_process() {
+  static const ProcessId self{static_cast<uint32_t>(getpid()),
+                              start_time_of(static_cast<uint32_t>(getpid()))};
+  return self;
+}
+
+const Uuid& boot_id() {
+  static const Uuid id = read_boot_id();
+  return id;
+}
+
+bool pid_alive(uint32_t pid) {
+  return pid != 0 && (kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM);
+}
+
+bool process_alive(const ProcessId& p) {
+  return p.pid != 0 && start_time_of(p.pid) == p.start_time;
+}
+
+std::string shm_name(const ProcessId& p, char tag, uint32_t n) {
+  char name[96];
+  std::snprintf(name, sizeof(name), "/torch_ipc.%u.%llu.%c%u", p.pid,
+                static_cast<unsigned long long>(p.start_time), tag, n);
+  return name;
+}
+
+void sweep_stale_shm() {
+  DIR* dir = opendir("/dev/shm");
+  if (dir == nullptr) return;
+  while (dirent* entry = readdir(dir)) {
+    unsigned pid = 0;
+    unsigned long long start = 0;
+    if (std::sscanf(entry->d_name, "torch_ipc.%u.%llu.", &pid, &start) != 2) continue;
+    if (process_alive(ProcessId{pid, start})) continue;
+    shm_unlink((std::string("/") + entry->d_name).c_str());
+  }
+  closedir(dir);
+}
+
+}  // namespace torch_ipc

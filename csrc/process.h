@@ -1,0 +1,32 @@
+// Identity of processes and of this boot: who made a descriptor, whether that
+// process still lives, and whether a descriptor comes from this machine's boot.
+#pragma once
+
+#include <string>
+
+#include "descriptor.h"
+
+namespace torch_ipc {
+
+// This process: pid and start time (clock ticks after boot, /proc/self/stat).
+const ProcessId& self_process();
+
+// The kernel's boot id (/proc/sys/kernel/random/boot_id): differs between
+// machines and between boots of one machine.
+const Uuid& boot_id();
+
+// True when a process with this pid AND this start time is running, in our
+// PID namespace. A recycled pid has another start time.
+bool process_alive(const ProcessId& p);
+
+// Only the pid, for holder slots that store 32 bits: kill(pid, 0).
+bool pid_alive(uint32_t pid);
+
+// Name of a POSIX shared memory object of process p: "/torch_ipc.<pid>.<start>.<tag><n>".
+std::string shm_name(const ProcessId& p, char tag, uint32_t n);
+
+// Unlink /dev/shm/torch_ipc.* objects whose process is gone (left by a killed
+// producer). Called once, when this process creates its first segment.
+void sweep_stale_shm();
+
+}  // namespace torch_ipc

@@ -1,0 +1,237 @@
+#include "refcount.h"
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "errors.h"
+#include "process.h"
+#include "shm.h"
+
+namespace torch_ipc {
+namespace {
+
+struct alignas(128) Slot {
+  std::atomic<uint64_t> generation;
+  std::atomic<uint32_t> tokens;
+  uint32_t reserved;
+  std::atomic<uint64_t> holders[kHoldersPerSlot];
+};
+static_assert(sizeof(Slot) == 128, "slot layout is part of the protocol");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "need address-free atomics");
+
+constexpr size_t kSegmentBytes = sizeof(Slot) * kSlotsPerSegment;
+
+uint64_t holder_word(uint32_t pid, uint32_t count) { return (uint64_t(pid) << 32) | count; }
+uint32_t holder_pid(uint64_t w) { return static_cast<uint32_t>(w >> 32); }
+uint32_t holder_count(uint64_t w) { return static_cast<uint32_t>(w); }
+
+class Leases {
+ public:
+  static Leases& get() {
+    static Leases* instance = new Leases();  // never destroyed: used by deleters at exit
+    return *instance;
+  }
+
+  LeaseRecord acquire(uint32_t tokens) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.empty()) grow();
+    auto [segment, slot_index] = free_.back();
+    free_.pop_back();
+    Slot* s = slot_in(own_.at(segment).get(), slot_index);
+    for (auto& h : s->holders) h.store(0);
+    s->tokens.store(tokens);
+    uint64_t generation = ++next_generation_;
+    s->generation.store(generation);
+    return LeaseRecord{self_process(), segment, slot_index, generation};
+  }
+
+  void release_slot(const LeaseRecord& lease) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.emplace_back(lease.segment, lease.slot);
+  }
+
+  Slot* slot(const LeaseRecord& lease) {
+    if (lease.slot >= kSlotsPerSegment)
+      throw DescriptorError("malformed torch_ipc descriptor: lease slot out of range");
+    std::lock_guard<std::mutex> lock(mu_);
+    if (lease.owner == self_process()) {
+      auto it = own_.find(lease.segment);
+      if (it == own_.end())
+        throw DescriptorError("malformed torch_ipc descriptor: this process has no lease segment " +
+                              std::to_string(lease.segment));
+      return slot_in(it->second.get(), lease.slot);
+    }
+    auto key = std::make_tuple(lease.owner.pid, lease.owner.start_time, lease.segment);
+    auto it = foreign_.find(key);
+    if (it == foreign_.end()) {
+      auto mapping = ShmMapping::open(shm_name(lease.owner, 'L', lease.segment), kSegmentBytes);
+      if (!mapping)
+        throw ProducerGone("torch_ipc: the producer (pid " + std::to_string(lease.owner.pid) +
+                           ") has exited: its lease segment is gone");
+      it = foreign_.emplace(key, std::move(mapping)).first;
+    }
+    return slot_in(it->second.get(), lease.slot);
+  }
+
+  void unlink_own() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [n, m] : own_) m->unlink();
+  }
+
+  int count() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int>(own_.size() + foreign_.size());
+  }
+
+ private:
+  static Slot* slot_in(ShmMapping* m, uint32_t index) {
+    return static_cast<Slot*>(m->data()) + index;
+  }
+
+  void grow() {
+    if (own_.empty()) sweep_stale_shm();
+    uint32_t segment = static_cast<uint32_t>(own_.size());
+    auto mapping = ShmMapping::create(shm_name(self_process(), 'L', segment), kSegmentBytes);
+    for (uint32_t i = kSlotsPerSegment; i-- > 0;) free_.emplace_back(segment, i);
+    own_.emplace(segment, std::move(mapping));
+  }
+
+  std::mutex mu_;
+  std::map<uint32_t, std::unique_ptr<ShmMapping>> own_;
+  std::map<std::tuple<uint32_t, uint64_t, uint32_t>, std::unique_ptr<ShmMapping>> foreign_;
+  std::vector<std::pair<uint32_t, uint32_t>> free_;
+  uint64_t next_generation_ = 0;
+};
+
+// Add one hold for `pid`; false when all holder words are taken.
+bool add_holder(Slot* s, uint32_t pid) {
+  for (auto& h : s->holders) {
+    uint64_t w = h.load();
+    while (w != 0 && holder_pid(w) == pid) {
+      if (h.compare_exchange_weak(w, w + 1)) return true;
+    }
+  }
+  for (auto& h : s->holders) {
+    uint64_t expected = 0;
+    if (h.compare_exchange_strong(expected, holder_word(pid, 1))) return true;
+  }
+  return false;
+}
+
+void remove_holder(Slot* s, uint32_t pid) {
+  for (auto& h : s->holders) {
+    uint64_t w = h.load();
+    while (w != 0 && holder_pid(w) == pid) {
+      uint64_t next = holder_count(w) <= 1 ? 0 : w - 1;
+      if (h.compare_exchange_weak(w, next)) return;
+    }
+  }
+}
+
+// True when some living process holds; clears the words of dead holders.
+bool has_living_holder(Slot* s) {
+  bool living = false;
+  for (auto& h : s->holders) {
+    uint64_t w = h.load();
+    if (w == 0) continue;
+    if (pid_alive(holder_pid(w))) {
+      living = true;
+    } else {
+      h.compare_exchange_strong(w, 0);
+    }
+  }
+  return living;
+}
+
+[[noreturn]] void throw_released(const LeaseRecord& lease) {
+  throw Released("torch_ipc: this export was already released by its producer (pid " +
+                 std::to_string(lease.owner.pid) +
+                 "): every consumer it was sent to has loaded and released it. "
+                 "Pass consumers=N to dumps() to share one descriptor with N loads.");
+}
+
+}  // namespace
+
+LeaseRecord lease_acquire(uint32_t tokens) { return Leases::get().acquire(tokens); }
+
+bool lease_try_reclaim(const LeaseRecord& lease) {
+  Slot* s = Leases::get().slot(lease);
+  if (s->generation.load() != lease.generation) return false;  // reclaimed already
+  if (s->tokens.load() != 0 || has_living_holder(s)) return false;
+  uint64_t expected = lease.generation;
+  if (!s->generation.compare_exchange_strong(expected, 0)) return false;
+  if (s->tokens.load() != 0 || has_living_holder(s)) {
+    s->generation.store(lease.generation);  // a load got in: it keeps the export
+    return false;
+  }
+  Leases::get().release_slot(lease);
+  return true;
+}
+
+void lease_revoke_tokens(const LeaseRecord& lease) {
+  Slot* s = Leases::get().slot(lease);
+  if (s->generation.load() == lease.generation) s->tokens.store(0);
+}
+
+LeaseCounts lease_counts(const LeaseRecord& lease) {
+  Slot* s = Leases::get().slot(lease);
+  LeaseCounts c;
+  if (s->generation.load() != lease.generation) return c;
+  c.tokens = s->tokens.load();
+  for (auto& h : s->holders) {
+    uint64_t w = h.load();
+    if (w == 0) continue;
+    ++c.holders;
+    if (!pid_alive(holder_pid(w))) ++c.dead_holders;
+  }
+  return c;
+}
+
+void lease_hold(const LeaseRecord& lease) {
+  Slot* s = Leases::get().slot(lease);
+  uint32_t me = self_process().pid;
+  if (!add_holder(s, me))
+    throw std::runtime_error("torch_ipc: more than " + std::to_string(kHoldersPerSlot) +
+                             " processes hold this export at once");
+  if (s->generation.load() != lease.generation) {
+    remove_holder(s, me);
+    throw_released(lease);
+  }
+  uint32_t t = s->tokens.load();
+  while (t > 0 && !s->tokens.compare_exchange_weak(t, t - 1)) {
+  }
+}
+
+void lease_unhold(const LeaseRecord& lease) noexcept {
+  try {
+    remove_holder(Leases::get().slot(lease), self_process().pid);
+  } catch (...) {
+    // The owner's segment is gone: nobody is left to tell.
+  }
+}
+
+void lease_add_tokens(const LeaseRecord& lease, uint32_t n) {
+  Slot* s = Leases::get().slot(lease);
+  s->tokens.fetch_add(n);
+  if (s->generation.load() != lease.generation) {
+    s->tokens.fetch_sub(n);
+    throw_released(lease);
+  }
+}
+
+void lease_take_token(const LeaseRecord& lease) {
+  Slot* s = Leases::get().slot(lease);
+  if (s->generation.load() != lease.generation) throw_released(lease);
+  uint32_t t = s->tokens.load();
+  while (t > 0 && !s->tokens.compare_exchange_weak(t, t - 1)) {
+  }
+}
+
+void lease_unlink_own_segments() { Leases::get().unlink_own(); }
+int lease_segment_count() { return Leases::get().count(); }
+
+}  // namespace torch_ipc

@@ -1,0 +1,54 @@
+// Lease counters in shared host memory: how a producer learns that every
+// consumer of an export has released it, or died holding it.
+#pragma once
+
+#include <cstdint>
+
+#include "descriptor.h"
+
+namespace torch_ipc {
+
+// Note [leases]
+// Every export owns one slot in a shared-memory segment of its producer:
+//   generation  which export lives in the slot (0: free or being reclaimed)
+//   tokens      loads still expected (the `consumers` of dumps)
+//   holders[]   one word per consumer process: (pid << 32) | number of holds
+// A load registers a hold under its pid FIRST, then checks the generation,
+// then takes a token if one is left. The producer reclaims only when no token
+// is left and no living process holds: it zeroes the generation, looks at the
+// holders again and restores the generation if it finds one. With sequentially
+// consistent atomics one of the two sees the other, so an export is never
+// reclaimed under a consumer that got through its check. A consumer killed
+// while holding leaves its word behind; the producer sees its pid is gone.
+// A hold is always released by the process that took it, after its GPU work
+// on the memory has finished (import.cpp).
+constexpr int kHoldersPerSlot = 14;
+constexpr uint32_t kSlotsPerSegment = 4096;
+
+struct LeaseCounts {
+  uint32_t tokens = 0;
+  uint32_t holders = 0;       // processes holding, dead ones included
+  uint32_t dead_holders = 0;
+};
+
+// Producer side.
+LeaseRecord lease_acquire(uint32_t tokens);
+// Reclaim if no token is left and no living process holds; true when reclaimed.
+bool lease_try_reclaim(const LeaseRecord& lease);
+void lease_revoke_tokens(const LeaseRecord& lease);
+LeaseCounts lease_counts(const LeaseRecord& lease);
+
+// Consumer side (any process, the owner included). Throws Released when the
+// export was reclaimed, ProducerGone when its segment is gone.
+void lease_hold(const LeaseRecord& lease);
+void lease_unhold(const LeaseRecord& lease) noexcept;
+// For re-sending a received tensor: the caller holds the lease, so it is open.
+void lease_add_tokens(const LeaseRecord& lease, uint32_t n);
+// Take one token without holding: a load in the owner process itself.
+void lease_take_token(const LeaseRecord& lease);
+
+// Unlink this process's segments (at exit); mappings stay valid.
+void lease_unlink_own_segments();
+int lease_segment_count();
+
+}  // namespace torch_ipc

@@ -1,0 +1,65 @@
+"""torch_ipc: share PyTorch tensors between processes on one machine, zero-copy.
+
+    >>> import torch, torch_ipc
+    >>> data = torch_ipc.dumps({"w": torch.randn(4, 4, device="cuda")})  # doctest: +SKIP
+    >>> state = torch_ipc.loads(data)   # in another process: same GPU memory  # doctest: +SKIP
+"""
+
+import torch  # noqa: F401  (loads libc10/libtorch before the extension)
+
+from . import errors
+from .errors import (
+    CudaError,
+    CudaUnavailableError,
+    DescriptorError,
+    DeviceNotFoundError,
+    ProducerGoneError,
+    ReleasedError,
+)
+from . import _C
+from ._serialize import dumps, loads
+from .connection import Connection, Listener, connect, listen
+from .reductions import init_reductions, reductions, restore_reductions
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "dumps",
+    "loads",
+    "stats",
+    "collect",
+    "init_reductions",
+    "restore_reductions",
+    "reductions",
+    "Listener",
+    "Connection",
+    "listen",
+    "connect",
+    "DescriptorError",
+    "CudaError",
+    "CudaUnavailableError",
+    "ProducerGoneError",
+    "ReleasedError",
+    "DeviceNotFoundError",
+]
+
+
+def stats() -> dict:
+    """Counters of this process, for finding leaks.
+
+    exports / exported_bytes: live exports of this process and their bytes;
+    tokens_pending: loads still expected; holders / dead_holders: processes
+    holding our exports (dead ones until the next collect);
+    imports: holds this process has on other processes' exports;
+    pending_releases: releases waiting for GPU work; mappings_open /
+    mappings_idle / events_open: opened handles; lease_segments, host_segments.
+    """
+    return dict(_C.stats())
+
+
+def collect(close_idle: bool = False) -> int:
+    """Reclaim exports that every consumer released (or died holding), finish
+    deferred releases, and close idle mappings (all of them if ``close_idle``).
+    Returns how many exports were reclaimed. A background thread does this
+    every 50 ms; call it to make it happen now."""
+    return _C.collect(close_idle)

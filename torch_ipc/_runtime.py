@@ -1,0 +1,68 @@
+"""Process-wide housekeeping: the background collector thread and the exit hook.
+
+Note [collector thread]
+Releases are deferred (a consumer releases only after its GPU work on the
+memory finished) and a producer reclaims an export only when its consumers
+released it or died. Somebody has to look: a daemon thread calls
+``_C.collect()`` every TORCH_IPC_COLLECT_INTERVAL seconds (default 0.05). It
+runs with the GIL, so the storages it drops are dropped as from Python code.
+"""
+
+import atexit
+import os
+import threading
+import warnings
+
+from . import _C
+
+_lock = threading.Lock()
+_started = False
+_stop = threading.Event()
+
+
+def _interval() -> float:
+    try:
+        return max(0.001, float(os.environ.get("TORCH_IPC_COLLECT_INTERVAL", "0.05")))
+    except ValueError:
+        return 0.05
+
+
+def _loop(interval: float) -> None:
+    while not _stop.wait(interval):
+        try:
+            _C.collect(False)
+            from . import connection
+
+            connection._check_peers()
+        except Exception as e:  # never let the thread die silently
+            warnings.warn(f"torch_ipc collector: {e!r}", RuntimeWarning)
+
+
+def ensure_started() -> None:
+    """Start the collector thread and register the exit hook, once."""
+    global _started
+    if _started:
+        return
+    with _lock:
+        if _started:
+            return
+        threading.Thread(target=_loop, args=(_interval(),), name="torch_ipc-collector", daemon=True).start()
+        atexit.register(_at_exit)
+        _started = True
+
+
+def _at_exit() -> None:
+    _stop.set()
+    try:
+        _C.collect(False)
+        s = _C.stats()
+        living = s["holders"] - s["dead_holders"]
+        if living > 0:
+            warnings.warn(
+                f"torch_ipc: this process exits while {living} consumer process(es) still hold "
+                f"{s['exported_bytes']} bytes it exported; that memory goes with it",
+                RuntimeWarning,
+            )
+        _C.shutdown()
+    except Exception:
+        pass

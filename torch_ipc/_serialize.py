@@ -1,0 +1,137 @@
+"""dumps/loads: a Python object holding tensors <-> one torch_ipc descriptor.
+
+The object is pickled with every tensor (and UntypedStorage) replaced by its
+index in a list; the list goes to the C++ exporter and the pickle rides along
+as the descriptor's payload. So any picklable object works: a tensor, a
+state_dict, nested dicts/lists/tuples, dataclasses holding tensors.
+"""
+
+import io
+import pickle
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, List
+
+import torch
+
+from . import _C, _runtime
+from .errors import CudaUnavailableError, DescriptorError
+
+__all__ = ["dumps", "loads"]
+
+_TENSOR = 0
+_STORAGE = 1
+_HAS_CUDA = 1  # header flag bit (byte 6) of a descriptor
+
+
+class _Pickler(ForkingPickler):
+    # A ForkingPickler, so that what else the message holds (connections, file
+    # descriptors) pickles as multiprocessing would pickle it.
+    def __init__(self, file, tensors: List[torch.Tensor], parameters: List[bool]):
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self._tensors = tensors
+        self._parameters = parameters
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor):
+            kind = _TENSOR
+            tensor = obj
+        elif isinstance(obj, torch.UntypedStorage):
+            kind = _STORAGE
+            tensor = torch.empty(0, dtype=torch.uint8, device=obj.device).set_(obj)
+        else:
+            return None
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            raise TypeError(f"torch_ipc shares torch.Tensor and nn.Parameter, not {type(tensor).__name__}")
+        self._tensors.append(tensor)
+        self._parameters.append(type(tensor) is torch.nn.Parameter)
+        return (kind, len(self._tensors) - 1)
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, tensors: List[torch.Tensor]):
+        super().__init__(file)
+        self._tensors = tensors
+
+    def persistent_load(self, pid):
+        try:
+            kind, index = pid
+            tensor = self._tensors[index]
+        except (TypeError, ValueError, IndexError):
+            raise pickle.UnpicklingError(f"torch_ipc: bad tensor reference {pid!r}") from None
+        return tensor.untyped_storage() if kind == _STORAGE else tensor
+
+
+def dumps(obj: Any, *, consumers: int = 1) -> bytes:
+    """Export ``obj`` and every tensor in it; return a descriptor (bytes).
+
+    CUDA tensors are shared zero-copy through CUDA IPC; CPU tensors are moved
+    (once, in place, as ``share_memory_()`` does) into shared memory. The
+    producer keeps every exported storage alive until ``consumers`` loads have
+    happened and every process that loaded it has released it (or died).
+
+    Example::
+
+        >>> import torch, torch_ipc
+        >>> x = torch.arange(4.0)
+        >>> data = torch_ipc.dumps({"x": x})
+        >>> torch_ipc.loads(data)["x"].data_ptr() == x.data_ptr()
+        True
+    """
+    if consumers < 1:
+        raise ValueError("consumers must be at least 1")
+    _runtime.ensure_started()
+    if type(obj) is torch.Tensor:  # fast path: no pickle, empty payload
+        tensors, parameters, payload = [obj], [False], b""
+    else:
+        tensors, parameters = [], []
+        buf = io.BytesIO()
+        _Pickler(buf, tensors, parameters).dump(obj)
+        payload = buf.getvalue()
+    return _C.export_tensors(tensors, parameters, payload, consumers)
+
+
+_cuda_ready = False
+
+
+def _ensure_cuda() -> None:
+    global _cuda_ready
+    if _cuda_ready:
+        return
+    if not torch.cuda.is_available():
+        ok, why = _C.cuda_available()
+        raise CudaUnavailableError(
+            "torch_ipc: this descriptor holds CUDA tensors but torch here cannot use CUDA"
+            + ("" if ok else f" ({why})")
+        )
+    torch.cuda.init()
+    _cuda_ready = True
+
+
+def loads(data: bytes) -> Any:
+    """Rebuild what :func:`dumps` exported, on the same memory.
+
+    Raises :class:`DescriptorError` for bytes that are not a valid descriptor of
+    this machine's current boot, :class:`ProducerGoneError` when the producer
+    has exited, :class:`ReleasedError` when the export was already reclaimed and
+    :class:`DeviceNotFoundError` when the GPU is not visible here.
+
+    The payload is unpickled: load descriptors only from peers you trust, as
+    with :func:`pickle.loads`.
+    """
+    if not isinstance(data, bytes):
+        data = bytes(data)
+    _runtime.ensure_started()
+    if len(data) > 6 and data[6] & _HAS_CUDA:
+        _ensure_cuda()
+    tensors, is_parameter, payload = _C.import_tensors(data)
+    for i, is_param in enumerate(is_parameter):
+        if is_param:
+            tensors[i] = torch.nn.Parameter(tensors[i], requires_grad=tensors[i].requires_grad)
+    if not payload:
+        if len(tensors) != 1:
+            raise DescriptorError("malformed torch_ipc descriptor: no payload and not one tensor")
+        return tensors[0]
+    try:
+        return _Unpickler(io.BytesIO(payload), tensors).load()
+    except Exception as e:
+        raise DescriptorError(f"torch_ipc descriptor payload does not unpickle: {e!r}") from e

@@ -1,0 +1,183 @@
+"""Listener/Client over multiprocessing.connection, carrying tensors zero-copy.
+
+Every message is one descriptor (see torch_ipc.dumps). An authkey is always
+required. The two sides exchange pids after authentication, so that what one
+side sent and the other never loaded is given back when the peer closes the
+connection or dies (Note [connection lifetime]).
+"""
+
+import os
+import secrets
+import struct
+import sys
+import threading
+import weakref
+from multiprocessing import AuthenticationError
+from multiprocessing import connection as mpc
+from typing import Any, Optional, Union
+
+from . import _C, _serialize
+
+__all__ = ["Listener", "Connection", "listen", "connect"]
+
+Address = Union[str, tuple]
+
+# Note [connection lifetime]
+# A consumer that loaded something holds it through its lease until it drops
+# the tensors or dies (refcount.h). What a connection sent but the peer never
+# loaded is a token nobody will take; when the connection closes, or the
+# collector sees the peer's pid gone, those tokens are revoked so the exports
+# can be reclaimed.
+_open_connections: "weakref.WeakSet[Connection]" = weakref.WeakSet()
+_open_lock = threading.Lock()
+
+
+def _check_peers() -> None:
+    with _open_lock:
+        conns = list(_open_connections)
+    for c in conns:
+        if not c._peer_alive():
+            c._revoke_sent()
+
+
+class Connection:
+    """One end of a torch_ipc connection: ``send(obj)``, ``recv()``, ``close()``."""
+
+    def __init__(self, conn: mpc.Connection, peer_pid: int):
+        self._conn = conn
+        self.peer_pid = peer_pid
+        self._sent = []  # lease keys of our exports sent on this connection
+        with _open_lock:
+            _open_connections.add(self)
+
+    def send(self, obj: Any) -> None:
+        """Export ``obj`` (tensors zero-copy) and send it as one message."""
+        data = _serialize.dumps(obj)
+        key = _C.own_lease(data)
+        if key is not None:
+            self._sent.append(key)
+            if len(self._sent) > 4096:
+                self._sent = _C.live_leases(self._sent)
+        self._conn.send_bytes(data)
+
+    def recv(self) -> Any:
+        """Receive one message and rebuild it on the sender's memory."""
+        return _serialize.loads(self._conn.recv_bytes())
+
+    def poll(self, timeout: Optional[float] = 0.0) -> bool:
+        return self._conn.poll(timeout)
+
+    def fileno(self) -> int:
+        return self._conn.fileno()
+
+    @property
+    def closed(self) -> bool:
+        return self._conn.closed
+
+    def _peer_alive(self) -> bool:
+        try:
+            os.kill(self.peer_pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+    def _revoke_sent(self) -> None:
+        sent, self._sent = self._sent, []
+        if sent:
+            _C.revoke_leases(sent)
+
+    def close(self) -> None:
+        """Close; what the peer never loaded is given back. Idempotent."""
+        self._revoke_sent()
+        with _open_lock:
+            _open_connections.discard(self)
+        self._conn.close()
+
+    def __enter__(self) -> "Connection":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _exchange_pids(conn: mpc.Connection) -> int:
+    conn.send_bytes(struct.pack("<I", os.getpid()))
+    data = conn.recv_bytes(16)
+    if len(data) != 4:
+        raise ConnectionError("torch_ipc: the peer is not a torch_ipc endpoint")
+    return struct.unpack("<I", data)[0]
+
+
+class Listener:
+    """Accept torch_ipc connections. ``authkey=None`` generates a random key,
+    available as ``.authkey`` and printed to stderr so a client can be given it.
+
+    Example::
+
+        >>> with torch_ipc.listen(authkey=b"secret") as listener:  # doctest: +SKIP
+        ...     conn = listener.accept(); conn.send(torch.ones(3, device="cuda"))
+    """
+
+    def __init__(self, address: Optional[Address] = None, *, authkey: Optional[bytes] = None, backlog: int = 16):
+        if authkey is None:
+            authkey = secrets.token_hex(16).encode()
+            print(f"torch_ipc: generated authkey {authkey.decode()}", file=sys.stderr)
+        if not isinstance(authkey, bytes) or not authkey:
+            raise TypeError("authkey must be non-empty bytes")
+        self.authkey = authkey
+        self._listener = mpc.Listener(address, backlog=backlog, authkey=authkey)
+
+    @property
+    def address(self) -> Address:
+        return self._listener.address
+
+    def accept(self) -> Connection:
+        """Wait for an authenticated client. Clients with a wrong authkey are
+        refused (they get AuthenticationError) and skipped with a warning."""
+        while True:
+            try:
+                conn = self._listener.accept()
+            except AuthenticationError as e:
+                import warnings
+
+                warnings.warn(f"torch_ipc: refused a client: {e}", RuntimeWarning)
+                continue
+            return Connection(conn, _exchange_pids(conn))
+
+    def close(self) -> None:
+        """Stop listening. Idempotent."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def __enter__(self) -> "Listener":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def listen(address: Optional[Address] = None, *, authkey: Optional[bytes] = None) -> Listener:
+    """Listen for torch_ipc clients at ``address`` (a Unix socket path, or a
+    (host, port) pair; None picks a fresh Unix socket)."""
+    return Listener(address, authkey=authkey)
+
+
+def connect(address: Address, *, authkey: bytes) -> Connection:
+    """Connect to a :class:`Listener`. A wrong ``authkey`` raises
+    :class:`multiprocessing.AuthenticationError` and nothing is received."""
+    if not isinstance(authkey, bytes) or not authkey:
+        raise TypeError("authkey must be non-empty bytes")
+    try:
+        conn = mpc.Client(address, authkey=authkey)
+    except AuthenticationError as e:
+        raise AuthenticationError(f"torch_ipc: the listener at {address!r} refused this authkey ({e})") from None
+    return Connection(conn, _exchange_pids(conn))

@@ -1,0 +1,44 @@
+"""The exceptions torch_ipc raises. Each subclasses the builtin it resembles."""
+
+__all__ = [
+    "DescriptorError",
+    "CudaError",
+    "CudaUnavailableError",
+    "ProducerGoneError",
+    "ReleasedError",
+    "DeviceNotFoundError",
+]
+
+
+class DescriptorError(ValueError):
+    """The bytes are not a valid torch_ipc descriptor: truncated, corrupted, of
+    another format version, or made on another machine or before a reboot."""
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed. ``error_name`` is the driver's name for the
+    error, e.g. ``"CUDA_ERROR_INVALID_VALUE"``."""
+
+    def __init__(self, message: str, error_name: str = ""):
+        super().__init__(message)
+        self.error_name = error_name
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.error_name))
+
+
+class CudaUnavailableError(RuntimeError):
+    """The descriptor holds CUDA tensors but this process cannot use CUDA."""
+
+
+class ProducerGoneError(RuntimeError):
+    """The process that exported the memory has exited."""
+
+
+class ReleasedError(RuntimeError):
+    """The export was already reclaimed: every consumer it was meant for loaded
+    and released it (see ``consumers=`` of :func:`torch_ipc.dumps`)."""
+
+
+class DeviceNotFoundError(RuntimeError):
+    """The tensor lives on a GPU (named by UUID) that this process cannot see."""

@@ -1,0 +1,117 @@
+"""Plug torch_ipc into multiprocessing: Queue, Pipe, Pool, connection.send.
+
+Note [one descriptor per message]
+multiprocessing pickles every message with ``ForkingPickler.dumps``, and a
+per-type reducer would make one descriptor (one lease, one event, one pickle
+frame) per tensor. So :func:`init_reductions` replaces ``ForkingPickler.dumps``
+itself: a message that holds tensors becomes ONE descriptor, wrapped so that
+the receiving side's plain ``pickle.loads`` calls :func:`torch_ipc.loads`.
+Messages without tensors are pickled exactly as before. Per-type reducers are
+installed too, for code that pickles with a ForkingPickler instance directly.
+"""
+
+import contextlib
+import io
+import pickle
+from multiprocessing.reduction import ForkingPickler
+from typing import Iterator
+
+import torch
+
+from . import _serialize
+
+__all__ = ["init_reductions", "restore_reductions", "reductions"]
+
+_REDUCED_TYPES = (torch.Tensor, torch.nn.Parameter, torch.UntypedStorage)
+_saved = None  # (original dumps, {type: original reducer or None})
+
+
+def _rebuild(descriptor: bytes):
+    return _serialize.loads(descriptor)
+
+
+class _Message:
+    """What travels: a descriptor that rebuilds itself on unpickling."""
+
+    __slots__ = ("descriptor",)
+
+    def __init__(self, descriptor: bytes):
+        self.descriptor = descriptor
+
+    def __reduce__(self):
+        return (_rebuild, (self.descriptor,))
+
+
+def _reduce_one(obj):
+    return (_rebuild, (_serialize.dumps(obj),))
+
+
+def _has_tensor(obj, depth: int = 0) -> bool:
+    if isinstance(obj, (torch.Tensor, torch.UntypedStorage)):
+        return True
+    if depth > 3:
+        return True  # deep or custom: let the exporter decide
+    if isinstance(obj, dict):
+        return any(_has_tensor(v, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(v, depth + 1) for v in obj)
+    if isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        return False
+    return True
+
+
+def _dumps(cls, obj, protocol=None):
+    if _has_tensor(obj):
+        descriptor = _serialize.dumps(obj)
+        return memoryview(pickle.dumps(_Message(descriptor), pickle.HIGHEST_PROTOCOL))
+    buf = io.BytesIO()
+    cls(buf, protocol).dump(obj)
+    return buf.getbuffer()
+
+
+def init_reductions() -> None:
+    """Make multiprocessing (and torch.multiprocessing) carry tensors through
+    torch_ipc. Idempotent; undo with :func:`restore_reductions`.
+
+    Example::
+
+        >>> import torch.multiprocessing as mp, torch_ipc
+        >>> torch_ipc.init_reductions()   # then use mp.Queue / Pipe / Pool as usual
+    """
+    global _saved
+    if _saved is not None:
+        return
+    import torch.multiprocessing  # noqa: F401  (registers torch's reducers first, to save them)
+
+    originals = {t: ForkingPickler._extra_reducers.get(t) for t in _REDUCED_TYPES}
+    _saved = (ForkingPickler.__dict__["dumps"], originals)
+    ForkingPickler.dumps = classmethod(_dumps)
+    for t in _REDUCED_TYPES:
+        ForkingPickler.register(t, _reduce_one)
+
+
+def restore_reductions() -> None:
+    """Undo :func:`init_reductions`: torch's own reducers again. Idempotent."""
+    global _saved
+    if _saved is None:
+        return
+    dumps, originals = _saved
+    ForkingPickler.dumps = dumps
+    for t, reducer in originals.items():
+        if reducer is None:
+            ForkingPickler._extra_reducers.pop(t, None)
+        else:
+            ForkingPickler._extra_reducers[t] = reducer
+    _saved = None
+
+
+@contextlib.contextmanager
+def reductions() -> Iterator[None]:
+    """``with torch_ipc.reductions(): ...`` installs the reducers for the block."""
+    was_installed = _saved is not None
+    init_reductions()
+    try:
+        yield
+    finally:
+        if not was_installed:
+            restore_reductions()
