@@ -144,6 +144,7 @@ StorageLocation locate_own(const c10::Storage& storage) {
   }
   StorageLocation loc;
   if (storage.device_type() == c10::DeviceType::CUDA) {
+    ScopedContext scope(storage.device().index());
     loc = locate_cuda(storage, storage.device().index());
   } else if (storage.device_type() == c10::DeviceType::CPU) {
     loc = locate_host(storage);
@@ -239,8 +240,6 @@ std::string export_tensors(const std::vector<at::Tensor>& tensors,
           lease = ctx->hold->lease;
           forwarded.emplace(key_of(lease), lease);
         } else {
-          std::optional<ScopedContext> scope;
-          if (cuda) scope.emplace(storage.device().index());
           loc = locate_own(storage);
           record->storages.push_back(storage);
           record->locations.push_back(loc);
