@@ -11,7 +11,8 @@ namespace {
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "the descriptor is little-endian and written with memcpy");
 
-constexpr size_t kHeaderBytes = 64;
+constexpr size_t kHeaderBytes = 72;
+constexpr size_t kChecksumOffset = 64;
 constexpr size_t kEventBytes = 80;
 constexpr size_t kLeaseBytes = 32;
 constexpr size_t kAllocBytes = 96;
@@ -68,6 +69,27 @@ class Reader {
   size_t pos_ = 0;
 };
 
+// Note [descriptor checksum]
+// Bounds checks catch a corrupted count or offset, but not a flipped bit in a
+// handle or a shared memory name that happens to name other live memory: that
+// would be a silently wrong tensor. So the descriptor carries a 64-bit hash of
+// all its other bytes. It detects accidents, not forgery: a peer that can send
+// you bytes is trusted (authkey) as with pickle.
+uint64_t checksum(const uint8_t* p, size_t n) {
+  uint64_t h = 0x9E3779B97F4A7C15ull ^ n;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    if (i == kChecksumOffset) w = 0;
+    h = (h ^ w) * 0xFF51AFD7ED558CCDull;
+    h ^= h >> 32;
+  }
+  for (; i < n; ++i) h = (h ^ p[i]) * 0xC4CEB9FE1A85EC53ull;
+  h ^= h >> 29;
+  return h;
+}
+
 [[noreturn]] void bad(const std::string& why) {
   throw DescriptorError("malformed torch_ipc descriptor: " + why);
 }
@@ -108,6 +130,7 @@ std::string encode(const Descriptor& d) {
   w.put<uint32_t>(d.producer.pid);
   w.put<uint64_t>(d.producer.start_time);
   w.bytes(d.boot_id.data(), 16);
+  w.put<uint64_t>(0);  // checksum, filled in last
 
   for (const auto& u : d.devices) w.bytes(u.data(), 16);
   for (const auto& e : d.events) {
@@ -153,7 +176,10 @@ std::string encode(const Descriptor& d) {
     w.bytes(t.strides.data(), 8 * t.strides.size());
   }
   w.bytes(d.payload.data(), d.payload.size());
-  return std::move(w.str());
+  std::string& out = w.str();
+  uint64_t sum = checksum(reinterpret_cast<const uint8_t*>(out.data()), out.size());
+  std::memcpy(&out[kChecksumOffset], &sum, 8);
+  return std::move(out);
 }
 
 Descriptor decode(const void* data, size_t size) {
@@ -182,6 +208,9 @@ Descriptor decode(const void* data, size_t size) {
   d.producer.pid = r.get<uint32_t>("producer pid");
   d.producer.start_time = r.get<uint64_t>("producer start time");
   r.bytes(d.boot_id.data(), 16, "boot id");
+  uint64_t sum = r.get<uint64_t>("checksum");
+  if (sum != checksum(static_cast<const uint8_t*>(data), size))
+    bad("checksum mismatch (the bytes were corrupted or changed)");
 
   // Fixed-size tables: check they fit before allocating anything for them.
   uint64_t fixed = 16ull * n_devices + uint64_t(kEventBytes) * n_events +

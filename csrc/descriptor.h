@@ -10,7 +10,7 @@
 namespace torch_ipc {
 
 // Note [descriptor layout]
-// header (64 B) | devices | events | leases | allocs | storages | tensors | payload
+// header (72 B, the last 8 a checksum) | devices | events | leases | allocs | storages | tensors | payload
 // A batch (a list, a dict, a state_dict) is ONE descriptor: a table of the
 // distinct base allocations, one event per device, one lease per producer,
 // then a small record per storage and per tensor. Every count and index is

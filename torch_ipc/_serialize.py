@@ -153,7 +153,8 @@ def loads(data: bytes) -> Any:
     if not isinstance(data, bytes):
         data = bytes(data)
     _runtime.ensure_started()
-    if len(data) > 6 and data[6] & _HAS_CUDA:
+    if not _cuda_ready and len(data) > 6 and data[6] & _HAS_CUDA:
+        _C.describe(data)  # a malformed descriptor is a DescriptorError, not a CUDA problem
         _ensure_cuda()
     tensors, is_parameter, payload = _C.import_tensors(data)
     for i, is_param in enumerate(is_parameter):
