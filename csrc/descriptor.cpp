@@ -317,4 +317,23 @@ Descriptor decode(const void* data, size_t size) {
   return d;
 }
 
+std::vector<LeaseRecord> peek_leases(const void* data, size_t size) {
+  Reader r(static_cast<const uint8_t*>(data), size);
+  r.skip(12, "header");
+  uint16_t n_devices = r.get<uint16_t>("device count");
+  uint16_t n_events = r.get<uint16_t>("event count");
+  uint16_t n_leases = r.get<uint16_t>("lease count");
+  r.skip(kHeaderBytes - 18 + 16ull * n_devices + kEventBytes * n_events, "tables");
+  std::vector<LeaseRecord> leases(n_leases);
+  for (auto& l : leases) {
+    l.owner.pid = r.get<uint32_t>("lease pid");
+    l.segment = r.get<uint32_t>("lease segment");
+    l.owner.start_time = r.get<uint64_t>("lease start time");
+    l.slot = r.get<uint32_t>("lease slot");
+    r.skip(4, "lease padding");
+    l.generation = r.get<uint64_t>("lease generation");
+  }
+  return leases;
+}
+
 }  // namespace torch_ipc

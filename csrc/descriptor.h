@@ -100,5 +100,8 @@ struct Descriptor {
 
 std::string encode(const Descriptor& d);
 Descriptor decode(const void* data, size_t size);  // throws DescriptorError
+// Only the lease table, without checking the rest: for a descriptor this
+// process just encoded.
+std::vector<LeaseRecord> peek_leases(const void* data, size_t size);
 
 }  // namespace torch_ipc

@@ -282,7 +282,7 @@ ImportResult import_tensors(const std::string& data) {
       lease_take_token(l);
       continue;
     }
-    if (!process_alive(l.owner))
+    if (l.owner != d.producer && !process_alive(l.owner))
       throw ProducerGone("torch_ipc: the process that owns this memory (pid " +
                          std::to_string(l.owner.pid) + ") has exited");
     lease_hold(l);

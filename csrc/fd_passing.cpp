@@ -1,0 +1,462 @@
+// Moving shareable handles between processes: the fd server thread, its wire
+// protocol (SOCK_SEQPACKET + SCM_RIGHTS), the client, and pidfd_getfd pulls.
+#include "fd_passing.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <unistd.h>
+#include <fcntl.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <set>
+#include <stdexcept>
+#include <thread>
+#include <unordered_map>
+
+#include <c10/util/Exception.h>
+
+#include "errors.h"
+#include "process.h"
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
+
+namespace torch_ipc {
+
+UniqueFd& UniqueFd::operator=(UniqueFd&& o) noexcept {
+  if (this != &o) reset(o.release());
+  return *this;
+}
+
+void UniqueFd::reset(int fd) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+
+namespace {
+
+// Note [fd server protocol]
+// One SOCK_SEQPACKET connection per request, so message boundaries (and the
+// SCM_RIGHTS attached to each message) are kept. The client sends a Request;
+// the server answers with one or more Reply messages, each a ReplyHeader, then
+// `count` sizes (u64), then `count` 64-byte blobs when kHasBlobs, with `count`
+// fds attached when kHasFds. A refusal is one Reply with status != 0 and no
+// items. The server serves one connection at a time with short timeouts, so
+// a client that stalls delays others by at most a few seconds.
+constexpr uint32_t kRequestMagic = 0x44464954;  // "TIFD"
+constexpr uint32_t kReplyMagic = 0x52464954;    // "TIFR"
+constexpr uint32_t kProtocol = 1;
+constexpr uint32_t kBatch = 64;  // items per message (SCM_MAX_FD is 253)
+constexpr uint32_t kHasFds = 1, kHasBlobs = 2;
+
+struct Request {
+  uint32_t magic;
+  uint32_t version;
+  uint64_t id;
+};
+struct ReplyHeader {
+  uint32_t magic;
+  int32_t status;  // 0 or an errno value
+  uint32_t total;
+  uint32_t first;
+  uint32_t count;
+  uint32_t flags;
+};
+constexpr size_t kMaxReply = sizeof(ReplyHeader) + kBatch * (8 + 64);
+
+struct Server {
+  std::mutex mu;
+  std::unordered_map<uint64_t, std::vector<PublishedItem>> published;
+  std::mt19937_64 rng{std::random_device{}()};
+  pid_t started_by = 0;  // the pid whose thread serves; another pid (a fork) restarts
+  std::atomic<int64_t> served{0}, refused{0};
+};
+
+Server& server() {
+  static Server* s = new Server();  // the thread uses it until the process ends
+  return *s;
+}
+
+std::atomic<int64_t> via_socket{0}, via_pidfd{0}, pidfd_refused{0};
+
+sockaddr_un address_of(const std::string& name, socklen_t* len) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  TORCH_CHECK(name.size() + 1 <= sizeof(addr.sun_path), "torch_ipc: socket name too long");
+  addr.sun_path[0] = '\0';  // abstract namespace: no file, gone with the process
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return addr;
+}
+
+void set_timeouts(int fd, int recv_s, int send_s) {
+  timeval r{recv_s, 0}, s{send_s, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &r, sizeof(r));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &s, sizeof(s));
+}
+
+bool send_reply(int sock, const ReplyHeader& h, const PublishedItem* items, const int* fds) {
+  char buf[kMaxReply];
+  size_t n = 0;
+  std::memcpy(buf, &h, sizeof(h));
+  n += sizeof(h);
+  for (uint32_t i = 0; i < h.count; ++i, n += 8) std::memcpy(buf + n, &items[i].size, 8);
+  if (h.flags & kHasBlobs)
+    for (uint32_t i = 0; i < h.count; ++i, n += 64) std::memcpy(buf + n, items[i].blob.data(), 64);
+  iovec iov{buf, n};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kBatch)];
+  if ((h.flags & kHasFds) && h.count > 0) {
+    msg.msg_control = control;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * h.count);
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * h.count);
+    std::memcpy(CMSG_DATA(c), fds, sizeof(int) * h.count);
+  }
+  ssize_t sent;
+  do sent = sendmsg(sock, &msg, MSG_NOSIGNAL);
+  while (sent < 0 && errno == EINTR);
+  return sent == static_cast<ssize_t>(n);
+}
+
+void refuse(int sock, int status) {
+  ++server().refused;
+  ReplyHeader h{kReplyMagic, status, 0, 0, 0, 0};
+  send_reply(sock, h, nullptr, nullptr);
+}
+
+void serve_one(int sock) {
+  Server& s = server();
+  set_timeouts(sock, 2, 10);
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return refuse(sock, EPROTO);
+  // Note [who may pull]: only processes of our own (effective) uid. A
+  // descriptor is a capability (the id is random), but the uid check is the
+  // boundary, as it is for ptrace and pidfd_getfd.
+  if (cred.uid != geteuid()) return refuse(sock, EACCES);
+  Request req{};
+  ssize_t got;
+  do got = recv(sock, &req, sizeof(req), 0);
+  while (got < 0 && errno == EINTR);
+  if (got != static_cast<ssize_t>(sizeof(req)) || req.magic != kRequestMagic ||
+      req.version != kProtocol)
+    return refuse(sock, EPROTO);
+
+  std::vector<PublishedItem> items;
+  std::vector<UniqueFd> dups;  // sent, then closed here; the owner's fds stay put
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    auto it = s.published.find(req.id);
+    if (it == s.published.end()) return refuse(sock, ENOENT);
+    items = it->second;
+    for (const auto& item : items) {
+      if (item.fd < 0) continue;
+      int d = fcntl(item.fd, F_DUPFD_CLOEXEC, 0);
+      if (d < 0) return refuse(sock, EMFILE);
+      dups.emplace_back(d);
+    }
+  }
+  bool with_fds = !dups.empty();
+  if (with_fds && dups.size() != items.size()) return refuse(sock, EPROTO);
+  bool with_blobs = !with_fds;
+  std::vector<int> raw;
+  for (auto& d : dups) raw.push_back(d.get());
+  for (uint32_t first = 0; first < items.size() || first == 0; first += kBatch) {
+    uint32_t count = std::min<uint32_t>(kBatch, static_cast<uint32_t>(items.size()) - first);
+    ReplyHeader h{kReplyMagic, 0, static_cast<uint32_t>(items.size()), first, count,
+                  (with_fds ? kHasFds : 0u) | (with_blobs ? kHasBlobs : 0u)};
+    if (!send_reply(sock, h, items.data() + first, with_fds ? raw.data() + first : nullptr)) return;
+    if (items.empty()) break;
+  }
+  ++s.served;
+}
+
+void serve_forever(int listener) {
+  for (;;) {
+    int sock = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+    if (sock < 0) {
+      if (errno == EBADF || errno == EINVAL) return;  // the listener is gone
+      if (errno == EMFILE || errno == ENFILE || errno == ENOMEM) poll(nullptr, 0, 10);
+      continue;
+    }
+    try {
+      serve_one(sock);
+    } catch (...) {
+      // Nothing here throws by design; a bug must not end the thread.
+    }
+    ::close(sock);
+  }
+}
+
+// Called with s.mu held.
+void ensure_server(Server& s) {
+  if (s.started_by == getpid()) return;
+  // A fork inherits the parent's table but not its thread, and has another name.
+  s.published.clear();
+  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw std::runtime_error(std::string("torch_ipc: socket() failed: ") + std::strerror(errno));
+  socklen_t len;
+  sockaddr_un addr = address_of(fd_socket_name(self_process()), &len);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 || listen(fd, 128) != 0) {
+    int err = errno;
+    ::close(fd);
+    throw std::runtime_error("torch_ipc: cannot start the fd server on @" +
+                             fd_socket_name(self_process()) + ": " + std::strerror(err));
+  }
+  std::thread(serve_forever, fd).detach();  // lives as long as the process
+  s.started_by = getpid();
+}
+
+int pidfd_open(pid_t pid) { return static_cast<int>(syscall(SYS_pidfd_open, pid, 0)); }
+int pidfd_getfd(int pidfd, int fd) { return static_cast<int>(syscall(SYS_pidfd_getfd, pidfd, fd, 0)); }
+
+std::string pid_text(const ProcessId& p) { return "pid " + std::to_string(p.pid); }
+
+[[noreturn]] void throw_gone_or(const ProcessId& owner, const std::string& otherwise) {
+  if (!process_alive(owner))
+    throw ProducerGone("torch_ipc: the producer (" + pid_text(owner) +
+                       ") has exited; its file descriptors can no longer be fetched");
+  throw std::runtime_error(otherwise);
+}
+
+// Pull with pidfd_getfd. Returns false (and leaves `out` empty) when the kernel
+// refuses for want of rights, so that the caller may fall back.
+bool fetch_pidfd(const ProcessId& owner, const std::vector<int>& remote_fds, bool forced,
+                 std::vector<ReceivedItem>& out) {
+  UniqueFd pidfd(pidfd_open(static_cast<pid_t>(owner.pid)));
+  if (pidfd.get() < 0) {
+    int err = errno;
+    if (err == ESRCH) throw_gone_or(owner, "torch_ipc: pidfd_open failed: no such process");
+    if (!forced) return false;
+    throw std::runtime_error(std::string("torch_ipc: pidfd_open(") + pid_text(owner) +
+                             ") failed: " + std::strerror(err) +
+                             " (TORCH_IPC_FD_TRANSPORT=pidfd needs Linux >= 5.6)");
+  }
+  // The pid may have been recycled before pidfd_open: the pidfd must be the producer's.
+  if (!process_alive(owner)) throw_gone_or(owner, "");
+  for (int remote : remote_fds) {
+    int fd = pidfd_getfd(pidfd.get(), remote);
+    if (fd < 0) {
+      int err = errno;
+      out.clear();
+      if (err == ESRCH) throw_gone_or(owner, "torch_ipc: pidfd_getfd failed: no such process");
+      if (!forced) return false;  // EPERM (no ptrace rights), ENOSYS, EBADF: ask the socket
+      if (err == EPERM || err == EACCES)
+        throw std::runtime_error(
+            "torch_ipc: pidfd_getfd on the producer (" + pid_text(owner) + ") failed: " +
+            std::strerror(err) +
+            ". Pulling file descriptors needs ptrace rights over the producer (CAP_SYS_PTRACE, "
+            "or Yama ptrace_scope 0, or being its ancestor with ptrace_scope 1); unset "
+            "TORCH_IPC_FD_TRANSPORT or set it to socket to pass them over a Unix socket instead");
+      throw std::runtime_error("torch_ipc: pidfd_getfd(" + pid_text(owner) + ", fd " +
+                               std::to_string(remote) + ") failed: " + std::strerror(err));
+    }
+    ReceivedItem item;
+    item.fd.reset(fd);
+    out.push_back(std::move(item));
+  }
+  return true;
+}
+
+std::vector<ReceivedItem> fetch_socket(const ProcessId& owner, uint64_t id) {
+  UniqueFd sock(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (sock.get() < 0) throw std::runtime_error(std::string("torch_ipc: socket() failed: ") + std::strerror(errno));
+  set_timeouts(sock.get(), 10, 10);
+  socklen_t len;
+  std::string name = fd_socket_name(owner);
+  sockaddr_un addr = address_of(name, &len);
+  int rc;
+  do rc = connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), len);
+  while (rc != 0 && errno == EINTR);
+  if (rc != 0) {
+    int err = errno;
+    throw_gone_or(owner, "torch_ipc: cannot reach the fd server of the producer (" + pid_text(owner) +
+                             ") at @" + name + ": " + std::strerror(err) +
+                             " (it runs in another network namespace, or never exported VMM memory)");
+  }
+  ucred cred{};
+  socklen_t clen = sizeof(cred);
+  if (getsockopt(sock.get(), SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0)
+    throw std::runtime_error(std::string("torch_ipc: SO_PEERCRED failed: ") + std::strerror(errno));
+  if (static_cast<uint32_t>(cred.pid) != owner.pid)
+    throw std::runtime_error("torch_ipc: the socket @" + name + " is served by pid " +
+                             std::to_string(cred.pid) + ", not by the producer (" + pid_text(owner) +
+                             "); refusing to take file descriptors from it");
+  Request req{kRequestMagic, kProtocol, id};
+  ssize_t sent;
+  do sent = send(sock.get(), &req, sizeof(req), MSG_NOSIGNAL);
+  while (sent < 0 && errno == EINTR);
+  if (sent != static_cast<ssize_t>(sizeof(req)))
+    throw_gone_or(owner, std::string("torch_ipc: sending a request to the producer (") +
+                             pid_text(owner) + ") failed: " + std::strerror(errno));
+
+  std::vector<ReceivedItem> out;
+  uint32_t total = 0;
+  do {
+    char buf[kMaxReply];
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kBatch)];
+    iovec iov{buf, sizeof(buf)};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    ssize_t n;
+    do n = recvmsg(sock.get(), &msg, MSG_CMSG_CLOEXEC);
+    while (n < 0 && errno == EINTR);
+    // Own every fd that arrived before looking at anything else.
+    std::vector<UniqueFd> fds;
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); n >= 0 && c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+      size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < k; ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        fds.emplace_back(fd);
+      }
+    }
+    if (n < 0)
+      throw_gone_or(owner, std::string("torch_ipc: no answer from the producer's fd server (") +
+                               pid_text(owner) + "): " + std::strerror(errno));
+    if (n == 0)
+      throw_gone_or(owner, "torch_ipc: the producer (" + pid_text(owner) +
+                               ") closed the fd socket without answering");
+    ReplyHeader h{};
+    if (static_cast<size_t>(n) < sizeof(h)) throw std::runtime_error("torch_ipc: short reply from the fd server");
+    std::memcpy(&h, buf, sizeof(h));
+    if (h.magic != kReplyMagic) throw std::runtime_error("torch_ipc: malformed reply from the fd server");
+    if (h.status == ENOENT)
+      throw Released("torch_ipc: the producer (" + pid_text(owner) +
+                     ") no longer shares this memory (export id unknown to it: released already, "
+                     "or the descriptor is not from it)");
+    if (h.status == EACCES)
+      throw std::runtime_error("torch_ipc: the producer (" + pid_text(owner) +
+                               ") refused to pass file descriptors: it runs as another user (this "
+                               "process has uid " + std::to_string(geteuid()) + ")");
+    if (h.status != 0)
+      throw std::runtime_error("torch_ipc: the producer (" + pid_text(owner) +
+                               ") refused the request: " + std::strerror(h.status));
+    bool with_fds = h.flags & kHasFds, with_blobs = h.flags & kHasBlobs;
+    size_t want = sizeof(h) + h.count * (8 + (with_blobs ? 64 : 0));
+    if ((msg.msg_flags & (MSG_CTRUNC | MSG_TRUNC)) || h.count > kBatch || h.first != out.size() ||
+        static_cast<size_t>(n) != want || (with_fds && fds.size() != h.count) ||
+        (!with_fds && !fds.empty()) || (total != 0 && h.total != total) || h.first + h.count > h.total)
+      throw std::runtime_error("torch_ipc: malformed reply from the fd server of " + pid_text(owner));
+    total = h.total;
+    for (uint32_t i = 0; i < h.count; ++i) {
+      ReceivedItem item;
+      std::memcpy(&item.size, buf + sizeof(h) + 8 * i, 8);
+      if (with_blobs) std::memcpy(item.blob.data(), buf + sizeof(h) + 8 * h.count + 64 * i, 64);
+      if (with_fds) item.fd = std::move(fds[i]);
+      out.push_back(std::move(item));
+    }
+  } while (out.size() < total);
+  return out;
+}
+
+}  // namespace
+
+FdTransport fd_transport_from_env() {
+  const char* v = std::getenv("TORCH_IPC_FD_TRANSPORT");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return FdTransport::Auto;
+  if (std::strcmp(v, "socket") == 0) return FdTransport::Socket;
+  if (std::strcmp(v, "pidfd") == 0) return FdTransport::Pidfd;
+  TORCH_CHECK(false, "torch_ipc: TORCH_IPC_FD_TRANSPORT must be auto, socket or pidfd, not '", v, "'");
+}
+
+std::string fd_socket_name(const ProcessId& p) {
+  return "torch_ipc." + std::to_string(p.pid) + "." + std::to_string(p.start_time) + ".fd";
+}
+
+uint64_t fd_publish(const std::vector<PublishedItem>& items) {
+  Server& s = server();
+  std::lock_guard<std::mutex> lock(s.mu);
+  ensure_server(s);
+  uint64_t id = 0;
+  while (id == 0 || s.published.count(id)) id = s.rng();
+  s.published.emplace(id, items);
+  return id;
+}
+
+void fd_unpublish(uint64_t id) noexcept {
+  Server& s = server();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.published.erase(id);
+}
+
+// Note [choosing a transport]
+// pidfd_getfd costs one syscall per fd and no round trip through the
+// producer's thread, but needs ptrace rights over the producer, which
+// containers usually drop (Docker removes CAP_SYS_PTRACE; Yama ptrace_scope=1
+// allows only ancestors). The socket always works between processes of one
+// uid in one network namespace. auto tries pidfd when the descriptor carries
+// the producer's fd numbers, remembers a refusal per producer, and asks the
+// socket otherwise. The pidfd path trusts those numbers: the consumer holds a
+// lease on the export before fetching, and the producer keeps the fds open
+// while the export lives, so the numbers cannot have been reused.
+std::vector<ReceivedItem> fd_fetch(const ProcessId& owner, uint64_t id,
+                                   const std::vector<int>& remote_fds, FdTransport mode) {
+  static std::mutex refused_mu;
+  static std::set<std::pair<uint32_t, uint64_t>> refused_owners;
+  auto key = std::make_pair(owner.pid, owner.start_time);
+  std::vector<ReceivedItem> out;
+  if (mode == FdTransport::Pidfd) {
+    TORCH_CHECK(!remote_fds.empty(),
+                "torch_ipc: TORCH_IPC_FD_TRANSPORT=pidfd, but this descriptor does not carry the "
+                "producer's fd numbers (its allocation has too many or unequal chunks); use auto");
+    fetch_pidfd(owner, remote_fds, true, out);
+    ++via_pidfd;
+    return out;
+  }
+  bool try_pidfd = mode == FdTransport::Auto && !remote_fds.empty();
+  if (try_pidfd) {
+    std::lock_guard<std::mutex> lock(refused_mu);
+    try_pidfd = refused_owners.count(key) == 0;
+  }
+  if (try_pidfd) {
+    if (fetch_pidfd(owner, remote_fds, false, out)) {
+      ++via_pidfd;
+      return out;
+    }
+    ++pidfd_refused;
+    std::lock_guard<std::mutex> lock(refused_mu);
+    if (refused_owners.size() > 4096) refused_owners.clear();
+    refused_owners.insert(key);
+  }
+  out = fetch_socket(owner, id);
+  ++via_socket;
+  return out;
+}
+
+FdStats fd_stats() {
+  Server& s = server();
+  std::lock_guard<std::mutex> lock(s.mu);
+  FdStats st{};
+  st.published = static_cast<int64_t>(s.published.size());
+  st.served = s.served.load();
+  st.refused = s.refused.load();
+  st.via_socket = via_socket.load();
+  st.via_pidfd = via_pidfd.load();
+  st.pidfd_refused = pidfd_refused.load();
+  st.server_running = s.started_by == getpid();
+  return st;
+}
+
+}  // namespace torch_ipc
