@@ -6,10 +6,12 @@
 #include "descriptor.h"
 #include "errors.h"
 #include "export.h"
+#include "fd_passing.h"
 #include "host_memory.h"
 #include "import.h"
 #include "process.h"
 #include "refcount.h"
+#include "vmm.h"
 
 namespace py = pybind11;
 using namespace torch_ipc;
@@ -161,6 +163,7 @@ PYBIND11_MODULE(_C, m) {
     }
     collect_exports();
     lease_unlink_own_segments();
+    host_unlink_all();
   });
   m.def("stats", &stats);
   m.def("cuda_available", [] {
@@ -168,4 +171,75 @@ PYBIND11_MODULE(_C, m) {
     bool ok = driver_available(&why);
     return py::make_tuple(ok, why);
   });
+
+  // ---- begin VMM sharing and fd passing (csrc/vmm.h, csrc/fd_passing.h) ----
+  m.def(
+      "vmm_pool_empty",
+      [](const std::vector<int64_t>& sizes, at::ScalarType dtype, int device, int handle_type) {
+        return vmm_pool_empty(sizes, dtype, device, static_cast<CUmemAllocationHandleType>(handle_type));
+      },
+      py::arg("sizes"), py::arg("dtype"), py::arg("device"), py::arg("handle_type") = 1);
+  m.def(
+      "vmm_granularity",
+      [](int device, int handle_type) {
+        return vmm_granularity(device, static_cast<CUmemAllocationHandleType>(handle_type));
+      },
+      py::arg("device"), py::arg("handle_type") = 1);
+  m.def("vmm_is_pool_tensor", [](const at::Tensor& t) {
+    return t.defined() && t.is_cuda() && vmm_is_pool_storage(t.storage());
+  });
+  m.def("vmm_mapping_view", &vmm_mapping_view, py::arg("tensor"));
+  m.def("vmm_collect", &vmm_collect);
+  m.def("vmm_stats", [] {
+    VmmStats v = vmm_stats();
+    FdStats f = fd_stats();
+    py::dict out;
+    out["vmm_export_groups"] = v.export_groups;
+    out["vmm_exported_chunks"] = v.exported_chunks;
+    out["vmm_exported_bytes"] = v.exported_bytes;
+    out["vmm_pool_allocations"] = v.pool_allocations;
+    out["vmm_pool_bytes"] = v.pool_bytes;
+    out["vmm_mappings"] = v.mappings;
+    out["vmm_mapped_bytes"] = v.mapped_bytes;
+    out["fd_published"] = f.published;
+    out["fd_served"] = f.served;
+    out["fd_refused"] = f.refused;
+    out["fd_via_socket"] = f.via_socket;
+    out["fd_via_pidfd"] = f.via_pidfd;
+    out["fd_pidfd_refused"] = f.pidfd_refused;
+    out["fd_server_running"] = f.server_running;
+    return out;
+  });
+  // fd passing primitives, for tests: publish fds of this process, fetch another's.
+  m.def("_fd_self", [] { return py::make_tuple(self_process().pid, self_process().start_time); });
+  m.def("_fd_socket_name", [](uint32_t pid, uint64_t start_time) {
+    return fd_socket_name(ProcessId{pid, start_time});
+  });
+  m.def("_fd_publish", [](const std::vector<int>& fds, const std::vector<uint64_t>& sizes) {
+    TORCH_CHECK(fds.size() == sizes.size(), "torch_ipc: one size per fd");
+    std::vector<PublishedItem> items;
+    for (size_t i = 0; i < fds.size(); ++i) items.push_back(PublishedItem{sizes[i], fds[i], {}});
+    return fd_publish(items);
+  });
+  m.def("_fd_unpublish", [](uint64_t id) { fd_unpublish(id); });
+  m.def(
+      "_fd_fetch",
+      [](uint32_t pid, uint64_t start_time, uint64_t id, const std::vector<int>& remote_fds,
+         const std::string& mode) {
+        FdTransport t = mode.empty() ? fd_transport_from_env()
+                        : mode == "socket" ? FdTransport::Socket
+                        : mode == "pidfd"  ? FdTransport::Pidfd
+                                           : FdTransport::Auto;
+        std::vector<ReceivedItem> items;
+        {
+          py::gil_scoped_release release;
+          items = fd_fetch(ProcessId{pid, start_time}, id, remote_fds, t);
+        }
+        py::list out;  // (fd, size) pairs; the caller owns and closes the fds
+        for (auto& item : items) out.append(py::make_tuple(item.fd.release(), item.size));
+        return out;
+      },
+      py::arg("pid"), py::arg("start_time"), py::arg("id"), py::arg("remote_fds"),
+      py::arg("mode") = "");
+  // ---- end VMM sharing and fd passing ----
 }

@@ -47,7 +47,10 @@ namespace torch_ipc {
   X(cuMemSetAccess)                    \
   X(cuMemGetAllocationGranularity)     \
   X(cuMemRetainAllocationHandle)       \
-  X(cuMemGetAllocationPropertiesFromHandle)
+  X(cuMemGetAllocationPropertiesFromHandle) \
+  X(cuCtxSynchronize)                  \
+  X(cuMemsetD8Async)                   \
+  X(cuMemGetAddressRange)
 
 struct DriverApi {
 #define TORCH_IPC_DECLARE(name) decltype(&::name) name = nullptr;

@@ -14,6 +14,7 @@
 #include "import.h"
 #include "process.h"
 #include "refcount.h"
+#include "vmm.h"
 
 namespace torch_ipc {
 namespace {
@@ -101,11 +102,15 @@ StorageLocation locate_cuda(const c10::Storage& storage, int device) {
                                  CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE};
   void* values[] = {&start, &range, &buffer_id, &legacy_ipc};
   TORCH_IPC_CU(cuPointerGetAttributes, 4, attrs, values, reinterpret_cast<CUdeviceptr>(data));
-  if (!legacy_ipc)
-    throw std::runtime_error(
-        "torch_ipc: this CUDA tensor's memory cannot be shared with CUDA IPC (it comes from "
-        "cuMemCreate, e.g. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or from a "
-        "non-shareable pool)");
+  if (!legacy_ipc) {
+    // cuMemCreate memory (expandable segments, SharedPool): the VMM path.
+    VmmLocation v = locate_vmm(storage, device);
+    StorageLocation loc{AllocKind::CudaVmm, device};
+    loc.handle = v.handle;
+    loc.base_size = v.size;
+    loc.offset = v.offset;
+    return loc;
+  }
   StorageLocation loc{AllocKind::CudaIpc, device};
   auto it = p.buffer_cache.find(buffer_id);
   if (it == p.buffer_cache.end()) {
@@ -338,6 +343,7 @@ CUevent find_own_event(const Handle64& handle) {
 }
 
 int collect_exports() {
+  vmm_collect();  // VMM exports of storages that died since the last call
   Producer& p = producer();
   std::vector<std::unique_ptr<ExportRecord>> reclaimed;
   {

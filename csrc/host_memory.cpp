@@ -2,6 +2,8 @@
 
 #include <atomic>
 #include <cstring>
+#include <mutex>
+#include <set>
 
 #include <c10/core/CPUAllocator.h>
 
@@ -11,13 +13,22 @@ namespace torch_ipc {
 namespace {
 
 std::atomic<uint32_t> next_segment{0};
-std::atomic<int> live_segments{0};
 
 // The DataPtr context of a storage moved into shared memory by this process.
+struct OwnedHostSegment;
+std::mutex live_mutex;
+std::set<OwnedHostSegment*>* live = new std::set<OwnedHostSegment*>();
+
 struct OwnedHostSegment {
   std::unique_ptr<ShmMapping> shm;
-  OwnedHostSegment(std::unique_ptr<ShmMapping> m) : shm(std::move(m)) { ++live_segments; }
-  ~OwnedHostSegment() { --live_segments; }
+  OwnedHostSegment(std::unique_ptr<ShmMapping> m) : shm(std::move(m)) {
+    std::lock_guard<std::mutex> lock(live_mutex);
+    live->insert(this);
+  }
+  ~OwnedHostSegment() {
+    std::lock_guard<std::mutex> lock(live_mutex);
+    live->erase(this);
+  }
 };
 
 void delete_owned_host_segment(void* ctx) { delete static_cast<OwnedHostSegment*>(ctx); }
@@ -48,6 +59,14 @@ std::shared_ptr<ShmMapping> open_host_segment(const std::string& name, size_t mi
   return std::shared_ptr<ShmMapping>(m.release());
 }
 
-int host_segment_count() { return live_segments.load(); }
+int host_segment_count() {
+  std::lock_guard<std::mutex> lock(live_mutex);
+  return static_cast<int>(live->size());
+}
+
+void host_unlink_all() {
+  std::lock_guard<std::mutex> lock(live_mutex);
+  for (OwnedHostSegment* seg : *live) seg->shm->unlink();
+}
 
 }  // namespace torch_ipc

@@ -25,5 +25,7 @@ HostSegment ensure_host_shared(const c10::Storage& storage);
 std::shared_ptr<ShmMapping> open_host_segment(const std::string& name, size_t min_size);
 
 int host_segment_count();
+// Remove the names of this process's segments (at exit); mappings stay valid.
+void host_unlink_all();
 
 }  // namespace torch_ipc

@@ -22,6 +22,7 @@
 #include "host_memory.h"
 #include "process.h"
 #include "refcount.h"
+#include "vmm.h"
 
 namespace torch_ipc {
 namespace {
@@ -57,6 +58,7 @@ struct PendingRelease {
 // mapping with no tensor left stays open, idle, and is closed when its
 // producer exits, when it has been idle TORCH_IPC_IDLE_SECONDS, when more than
 // TORCH_IPC_IDLE_MAPPINGS are idle (oldest first), or on collect(close_idle=True).
+// Only GPU mappings stay idle; host ones close with their last tensor.
 // It pins nothing in the producer: the producer's lease is released already.
 struct Consumer {
   std::recursive_mutex mu;
@@ -93,12 +95,17 @@ void finish(Consumer& c, PendingRelease& p) {
   --c.holds;
 }
 
+// "/torch_ipc.<pid>.<start>.H<n>" and nothing else: a handle is never a path.
 std::string host_name(const Handle64& h) {
   size_t n = 0;
   while (n < h.size() && h[n] != 0) ++n;
   std::string name(reinterpret_cast<const char*>(h.data()), n);
-  bool ok = n > 11 && name.compare(0, 11, "/torch_ipc.") == 0;
-  for (char ch : name) ok = ok && (std::isalnum(static_cast<unsigned char>(ch)) || ch == '.' || ch == '_' || ch == '/');
+  unsigned pid = 0, segment = 0;
+  unsigned long long start = 0;
+  int used = 0;
+  bool ok = std::sscanf(name.c_str(), "/torch_ipc.%u.%llu.H%u%n", &pid, &start, &segment, &used) == 3 &&
+            used == static_cast<int>(n);
+  for (char ch : name) ok = ok && (std::isdigit(static_cast<unsigned char>(ch)) || std::strchr("/torch_ipc.H", ch));
   if (!ok) throw DescriptorError("malformed torch_ipc descriptor: bad shared memory name");
   return name;
 }
@@ -112,7 +119,12 @@ std::shared_ptr<Mapping> open_mapping(const AllocRecord& a, int device, const Pr
   m->producer = owner;
   if (a.kind == AllocKind::CpuShm) {
     std::string name = host_name(a.handle);
-    auto shm = open_host_segment(name, a.size);
+    std::shared_ptr<ShmMapping> shm;
+    try {
+      shm = open_host_segment(name, a.size);
+    } catch (const std::runtime_error& e) {
+      throw DescriptorError(std::string("torch_ipc descriptor names shared memory it cannot map: ") + e.what());
+    }
     if (!shm) {
       if (!process_alive(owner))
         throw ProducerGone("torch_ipc: the producer (pid " + std::to_string(owner.pid) +
@@ -121,6 +133,12 @@ std::shared_ptr<Mapping> open_mapping(const AllocRecord& a, int device, const Pr
     }
     m->base = static_cast<char*>(shm->data());
     m->host = shm;
+    return m;
+  }
+  if (a.kind == AllocKind::CudaVmm) {
+    auto vmm = import_vmm(a.handle, a.size, device, owner);
+    m->base = reinterpret_cast<char*>(vmm->base);
+    m->vmm = std::move(vmm);
     return m;
   }
   if (a.kind != AllocKind::CudaIpc)
@@ -393,13 +411,17 @@ void collect_imports(bool close_idle) {
   std::sort(idle.begin(), idle.end(), [](auto& a, auto& b) { return a.first < b.first; });
   int64_t over = static_cast<int64_t>(idle.size()) - c.max_idle;
   for (auto& [since, it] : idle) {
-    bool close = close_idle || over-- > 0 || now - since > c.idle_ns ||
+    // Host memory: mapping again costs a few microseconds, and an idle mapping
+    // would pin memory its producer freed. Closed as soon as it is idle.
+    bool close = close_idle || it->second->kind == AllocKind::CpuShm || over-- > 0 ||
+                 now - since > c.idle_ns ||
                  !producer_alive(it->second->producer);
     if (close) {
       closing.push_back(std::move(it->second));
       c.mappings.erase(it);
     }
   }
+  lease_drop_dead_segments();
   for (auto it = c.events.begin(); it != c.events.end();) {
     if (!producer_alive(it->second.producer)) {
       TORCH_IPC_CU_WARN(cuEventDestroy, it->second.event);

@@ -23,6 +23,7 @@ struct Mapping {
   Handle64 handle;
   ProcessId producer;
   std::shared_ptr<void> host;  // the ShmMapping for host memory
+  std::shared_ptr<void> vmm;   // the VmmMapping for CudaVmm (unmaps when dropped)
   int64_t idle_since_ns = 0;   // set by collect() when no tensor uses it
   ~Mapping();
 };

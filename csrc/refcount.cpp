@@ -77,6 +77,20 @@ class Leases {
     return slot_in(it->second.get(), lease.slot);
   }
 
+  // Unmap the segments of producers that exited: nobody reads their counters
+  // any more (a late release finds the name gone and gives up quietly).
+  void drop_dead_foreign() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = foreign_.begin(); it != foreign_.end();) {
+      ProcessId owner{std::get<0>(it->first), std::get<1>(it->first)};
+      if (process_alive(owner)) {
+        ++it;
+      } else {
+        it = foreign_.erase(it);
+      }
+    }
+  }
+
   void unlink_own() {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [n, m] : own_) m->unlink();
@@ -232,6 +246,7 @@ void lease_take_token(const LeaseRecord& lease) {
 }
 
 void lease_unlink_own_segments() { Leases::get().unlink_own(); }
+void lease_drop_dead_segments() { Leases::get().drop_dead_foreign(); }
 int lease_segment_count() { return Leases::get().count(); }
 
 }  // namespace torch_ipc

@@ -49,6 +49,8 @@ void lease_take_token(const LeaseRecord& lease);
 
 // Unlink this process's segments (at exit); mappings stay valid.
 void lease_unlink_own_segments();
+// Unmap the lease segments of producers that have exited.
+void lease_drop_dead_segments();
 int lease_segment_count();
 
 }  // namespace torch_ipc

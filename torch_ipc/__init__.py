@@ -19,6 +19,7 @@ from .errors import (
 from . import _C
 from ._serialize import dumps, loads
 from .connection import Connection, Listener, connect, listen
+from .pool import SharedPool
 from .reductions import init_reductions, reductions, restore_reductions
 
 __version__ = "0.1.0"
@@ -35,6 +36,7 @@ __all__ = [
     "Connection",
     "listen",
     "connect",
+    "SharedPool",
     "DescriptorError",
     "CudaError",
     "CudaUnavailableError",

@@ -93,13 +93,20 @@ def _flat(obj):
     return None, None, None
 
 
-def dumps(obj: Any, *, consumers: int = 1) -> bytes:
+def dumps(obj: Any, *, consumers: int = 1, isolated: bool = False) -> bytes:
     """Export ``obj`` and every tensor in it; return a descriptor (bytes).
 
     CUDA tensors are shared zero-copy through CUDA IPC; CPU tensors are moved
     (once, in place, as ``share_memory_()`` does) into shared memory. The
     producer keeps every exported storage alive until ``consumers`` loads have
     happened and every process that loaded it has released it (or died).
+
+    ``isolated=True`` COPIES every CUDA tensor that is not already a
+    :class:`torch_ipc.SharedPool` tensor into an allocation of its own first,
+    and shares the copy: a consumer then maps exactly those bytes, never a
+    neighbour that torch's caching allocator put in the same block, and the
+    memory outlives this process. Later writes to the original are not seen
+    by consumers (nor theirs by it). See Note [isolated sharing] in pool.py.
 
     Example::
 
@@ -119,6 +126,10 @@ def dumps(obj: Any, *, consumers: int = 1) -> bytes:
         buf.write(_PICKLED)
         _Pickler(buf, tensors, parameters).dump(obj)
         payload = buf.getvalue()
+    if isolated:
+        from .pool import isolate_tensors
+
+        tensors = isolate_tensors(tensors)
     return _C.export_tensors(tensors, parameters, payload, consumers)
 
 

@@ -1,0 +1,266 @@
+"""Shared helpers for torch_ipc's multi-process tests.
+
+The functions here run in spawned children (a Peer or run_in_subprocess), so
+they live at module level; the children import this module by name (pytest's
+default ``prepend`` import mode puts tests/ on sys.path, and spawn hands the
+parent's sys.path to its children). Nothing here touches CUDA at import time.
+"""
+import gc
+import os
+import secrets
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+import torch_ipc
+
+# What a child holds between calls: key -> object (tensors it loaded or made).
+HELD: Dict[str, Any] = {}
+
+# ----------------------------------------------------------------------------- dtypes and data
+
+_DTYPE_NAMES = [
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
+]  # fmt: skip
+
+
+def _usable(dtype: torch.dtype, device: str) -> bool:
+    """Whether tensors of `dtype` can be made from random bytes and copied on `device`."""
+    try:
+        raw = torch.zeros(16, dtype=torch.uint8, device=device)
+        t = raw.view(dtype)
+        t[::2].clone()
+        t.view(torch.uint8)
+        return True
+    except Exception:
+        return False
+
+
+def dtypes(device: str = "cpu") -> List[torch.dtype]:
+    """Every dtype with a storage that this torch can fill with bytes and copy on `device`."""
+    out = []
+    for name in _DTYPE_NAMES:
+        dtype = getattr(torch, name, None)
+        if isinstance(dtype, torch.dtype) and dtype not in out and _usable(dtype, device):
+            out.append(dtype)
+    return out
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def new_seed() -> int:
+    """A fresh seed per run; tests print it so that a failure can be replayed."""
+    return secrets.randbits(63)
+
+
+def random_tensor(shape, dtype: torch.dtype, gen: torch.Generator, device: str = "cpu") -> torch.Tensor:
+    """Fresh random bits of any dtype (bool: 0 or 1). Floats include NaN and inf patterns."""
+    n = 1
+    for s in shape:
+        n *= s
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=gen)
+    if dtype == torch.bool:
+        raw &= 1
+    return raw.view(dtype).reshape(shape).to(device)
+
+
+def bits(t: torch.Tensor) -> bytes:
+    """The exact bytes of a tensor's elements in row-major order (any dtype, any view)."""
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).cpu().numpy().tobytes()
+
+
+def digest(t: torch.Tensor) -> str:
+    """sha256 of bits(t): compares big tensors exactly without shipping them."""
+    import hashlib
+
+    return hashlib.sha256(bits(t)).hexdigest()
+
+
+# ----------------------------------------------------------------------------- fingerprints
+
+
+def tensors_in(obj: Any, depth: int = 0) -> List[torch.Tensor]:
+    """Every tensor inside dicts, lists and tuples (and modules' parameters), in order."""
+    if depth > 20:
+        return []
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, torch.nn.Module):
+        return [p for p in obj.parameters()] + [b for b in obj.buffers()]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensors_in(v, depth + 1)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors_in(v, depth + 1)]
+    return []
+
+
+def fingerprint(obj: Any) -> Any:
+    """A picklable, exact description of `obj`: containers and their types, and for each
+    tensor its type, dtype, shape, strides, storage offset, requires_grad and bytes."""
+    if isinstance(obj, torch.Tensor):
+        return (
+            "tensor",
+            type(obj).__name__,
+            str(obj.dtype),
+            str(obj.device.type),
+            tuple(obj.shape),
+            tuple(obj.stride()),
+            obj.storage_offset(),
+            obj.requires_grad,
+            bits(obj),
+        )
+    if isinstance(obj, torch.nn.Module):
+        return (
+            "module",
+            type(obj).__name__,
+            [(k, fingerprint(v)) for k, v in obj.named_parameters()],
+            [(k, fingerprint(v)) for k, v in obj.named_buffers()],
+        )
+    if isinstance(obj, torch.UntypedStorage):
+        raw = torch.empty(0, dtype=torch.uint8, device=obj.device).set_(obj)
+        return ("storage", obj.device.type, obj.nbytes(), raw.cpu().numpy().tobytes())
+    if isinstance(obj, dict):
+        return (type(obj).__name__, [(k, fingerprint(v)) for k, v in obj.items()])
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, [fingerprint(v) for v in obj])
+    return ("value", repr(obj))
+
+
+def storage_groups(obj: Any) -> List[int]:
+    """For each tensor in `obj`, the index of the first tensor with the same storage:
+    tells which tensors alias which, independently of addresses."""
+    ptrs = [t.untyped_storage().data_ptr() for t in tensors_in(obj)]
+    return [ptrs.index(p) for p in ptrs]
+
+
+# ----------------------------------------------------------------------------- child-side operations
+
+
+def load(key: str, data: bytes) -> Any:
+    """Load a descriptor and hold the result under `key`; return its fingerprint."""
+    obj = torch_ipc.loads(data)
+    HELD[key] = obj
+    return fingerprint(obj)
+
+
+def load_quietly(key: str, data: bytes) -> None:
+    HELD[key] = torch_ipc.loads(data)
+
+
+def hold(key: str, obj: Any) -> None:
+    HELD[key] = obj
+
+
+def held_fingerprint(key: str) -> Any:
+    return fingerprint(HELD[key])
+
+
+def held_groups(key: str) -> List[int]:
+    return storage_groups(HELD[key])
+
+
+def drop(key: Optional[str] = None) -> Dict[str, int]:
+    """Drop one held object (all when key is None), let torch_ipc release, return stats."""
+    if key is None:
+        HELD.clear()
+    else:
+        HELD.pop(key, None)
+    gc.collect()
+    torch_ipc.collect()
+    return torch_ipc.stats()
+
+
+def stats() -> Dict[str, int]:
+    return torch_ipc.stats()
+
+
+def collect(close_idle: bool = False) -> Dict[str, int]:
+    torch_ipc.collect(close_idle)
+    return torch_ipc.stats()
+
+
+def wait_for_stats(key: str, value: int, timeout: float = 5.0) -> Dict[str, int]:
+    """Call collect() until stats()[key] == value or `timeout` seconds passed; return stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        torch_ipc.collect()
+        s = torch_ipc.stats()
+        if s[key] == value or time.monotonic() > deadline:
+            return s
+        time.sleep(0.02)
+
+
+def export_random(key: str, shape, dtype_name_: str = "float32", consumers: int = 1, seed: int = 0):
+    """Make a random tensor, hold it under `key`, export it; return (descriptor, bits, nbytes)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = random_tensor(tuple(shape), getattr(torch, dtype_name_), gen)
+    HELD[key] = x
+    data = torch_ipc.dumps(x, consumers=consumers)
+    return data, bits(x), x.untyped_storage().nbytes()
+
+
+def digest_held(key: str) -> str:
+    return digest(HELD[key])
+
+
+def gpu_cycles_per_second() -> float:
+    """How many cycles torch.cuda._sleep spins per second on this GPU (measured)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(50_000_000)
+    end.record()
+    end.synchronize()
+    return 50_000_000 / (start.elapsed_time(end) / 1000.0)
+
+
+def load_bits(key: str, data: bytes) -> bytes:
+    x = torch_ipc.loads(data)
+    HELD[key] = x
+    return bits(x)
+
+
+def try_load(data: bytes) -> Tuple[str, str]:
+    """Load and drop at once; return ("ok", "") or (exception type name, message)."""
+    try:
+        obj = torch_ipc.loads(data)
+    except Exception as e:  # reported to the test, which decides
+        return type(e).__name__, str(e)
+    del obj
+    gc.collect()
+    return "ok", ""
+
+
+def shm_files_of(pid: int) -> List[str]:
+    """torch_ipc's shared memory files in /dev/shm that belong to process `pid`."""
+    try:
+        names = os.listdir("/dev/shm")
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if n.startswith(f"torch_ipc.{pid}."))
+
+
+def process_gone(pid: int, within: float = 10.0) -> bool:
+    """True once `pid` no longer runs (absent, or a zombie nobody reaped yet)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
