@@ -16,6 +16,20 @@ producer times each round trip with time.perf_counter_ns and reports the
 median after a warm-up. The final table gives both sides and the speed-up
 (torch time / torch_ipc time).
 
+Workloads (--only NAME[,NAME]; in this order):
+    floor          a bare Pipe round trip of 64 bytes, no tensor: the channel's floor
+    small_same     one 4 KiB CUDA tensor, the same one each time
+    small_new      one 4 KiB CUDA tensor, a new one each time
+    sd_first       a state_dict of 384 x 4 MiB bf16 (1.5 GiB), each one new (first share)
+    sd_resend      the same state_dict again (the consumer keeps the previous one)
+    big_resend     144 x 16 MiB bf16 (2.25 GiB) again
+    per_tensor     messages of 1 to 10000 tensors of 1 KiB: cost per tensor
+    weight_update  the consumer copies a received state_dict into its own params,
+                   against one device copy of the same bytes (the ceiling)
+    open           loads() of a tensor in a new allocation vs one already mapped
+Each round trip is also split (in the progress lines and the JSON) into the
+producer's dumps() and the consumer's loads().
+
 Usage:
     python benchmarks/bench.py                        # every workload, full sizes
     python benchmarks/bench.py --quick                # smoke run: small sizes, few iterations
@@ -209,12 +223,6 @@ def peer_error(msg: bytes) -> PeerError:
     if msg[:1] == FAILED:
         return PeerError("consumer failed:\n" + msg[1:].decode(errors="replace"))
     return PeerError(f"unexpected message from the consumer: {bytes(msg[:40])!r}")
-
-
-def wait_ack(conn, timeout: float) -> None:
-    msg = recv(conn, timeout)
-    if msg != ACK:
-        raise peer_error(msg)
 
 
 def send_reply(conn, obj) -> None:
