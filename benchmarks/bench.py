@@ -312,6 +312,11 @@ def serve(conn, side, timeout: float, *, hold: bool = True, on_obj=None) -> None
     send_reply(conn, load_ns)
 
 
+def always(obj):
+    """next_obj for round_trips: the same object every time."""
+    return lambda: obj
+
+
 def time_calls(fn, *, warmup: int, iters: int) -> list:
     for _ in range(warmup):
         fn()
@@ -386,7 +391,7 @@ def floor_consumer(conn, side, cfg):
 def small_same_producer(conn, side, cfg):
     p = plan(cfg)["small"]
     x = torch.empty(p["numel"], dtype=torch.float32, device=cfg["device"])
-    t = round_trips(conn, side, lambda: x, warmup=p["warmup"], iters=p["iters"], timeout=cfg["timeout"])
+    t = round_trips(conn, side, always(x), warmup=p["warmup"], iters=p["iters"], timeout=cfg["timeout"])
     return [metric("rtt", f"{fmt_bytes(4 * p['numel'])} tensor, same each time", t,
                    target=h100_target(cfg, 25))]
 
@@ -435,7 +440,7 @@ def resend(conn, side, cfg, shape_key, loop_key, label, goal):
     p = plan(cfg)
     s, loop = p[shape_key], p[loop_key]
     obj = make_state_dict(s["layers"], s["shape"], cfg["device"])
-    t = round_trips(conn, side, lambda: obj, warmup=loop["warmup"], iters=loop["iters"],
+    t = round_trips(conn, side, always(obj), warmup=loop["warmup"], iters=loop["iters"],
                     timeout=cfg["timeout"], budget_s=loop["budget_s"])
     return [metric("rtt", label.format(sd_label(s["layers"], s["shape"])) + ": resend", t,
                    unit="ms", target=h100_target(cfg, goal))]
@@ -455,12 +460,11 @@ def per_tensor_producer(conn, side, cfg):
     out, medians = [], {}
     for n in p["counts"]:
         tensors = [torch.empty(p["numel"], dtype=torch.float32, device=cfg["device"]) for _ in range(n)]
-        t = round_trips(conn, side, lambda: tensors, warmup=p["warmup"], iters=p["iters"],
+        t = round_trips(conn, side, always(tensors), warmup=p["warmup"], iters=p["iters"],
                         timeout=cfg["timeout"], budget_s=p["budget_s"], min_iters=3)
         m = metric(f"rtt_{n}", f"{n} x {size} tensors in one message: resend", t)
         medians[n] = m["value"]
         out.append(m)
-        del tensors
     for n in p["counts"]:
         if n > 1:
             out.append(metric(f"per_tensor_{n}", f"{n} x {size} tensors: per tensor beyond the first",
@@ -480,7 +484,7 @@ def weight_update_producer(conn, side, cfg):
     conn.send_bytes(side.dumps(sd))  # the consumer keeps these handles and times its copies
     copies = recv_reply(conn, cfg["timeout"])
     u = p["update"]
-    t = round_trips(conn, side, lambda: sd, warmup=u["warmup"], iters=u["iters"], timeout=cfg["timeout"])
+    t = round_trips(conn, side, always(sd), warmup=u["warmup"], iters=u["iters"], timeout=cfg["timeout"])
     label = f"state_dict {sd_label(p['sd']['layers'], p['sd']['shape'])}"
     out = []
     for key, what in (("copy", f"{label}: p.copy_(src) into own params"),
@@ -494,25 +498,23 @@ def weight_update_producer(conn, side, cfg):
     return out
 
 
-def weight_update_consumer(conn, side, cfg):
-    u = plan(cfg)["update"]
-    device = cfg["device"]
-    src = list(side.loads(recv(conn, cfg["timeout"])).values())
-    params = [torch.empty_like(t) for t in src]
+def copy_all(params, tensors, device) -> None:
+    """What a consumer does on a weight update: p.copy_(src) for each, then synchronize."""
+    for dst, src in zip(params, tensors):
+        dst.copy_(src)
+    sync(device)
+
+
+def time_copies(params, src, device, warmup, iters) -> dict:
+    """Copies of the received tensors into params, and the ceiling: one copy of as many bytes."""
     size = nbytes(src)
-
-    def copy_from(tensors):
-        for dst, s in zip(params, tensors):
-            dst.copy_(s)
-        sync(device)
-
-    copies = {"bytes": size, "copy": time_calls(lambda: copy_from(src), warmup=u["warmup"], iters=u["iters"])}
+    out = {"bytes": size, "copy": time_calls(lambda: copy_all(params, src, device), warmup=warmup, iters=iters)}
     if hasattr(torch, "_foreach_copy_"):
         def foreach():
             torch._foreach_copy_(params, src)
             sync(device)
 
-        copies["foreach"] = time_calls(foreach, warmup=u["warmup"], iters=u["iters"])
+        out["foreach"] = time_calls(foreach, warmup=warmup, iters=iters)
     flat_src = torch.empty(size, dtype=torch.uint8, device=device)
     flat_dst = torch.empty_like(flat_src)
 
@@ -520,10 +522,19 @@ def weight_update_consumer(conn, side, cfg):
         flat_dst.copy_(flat_src)
         sync(device)
 
-    copies["ceiling"] = time_calls(ceiling, warmup=u["warmup"], iters=u["iters"])
-    del flat_src, flat_dst, src
+    out["ceiling"] = time_calls(ceiling, warmup=warmup, iters=iters)
+    return out
+
+
+def weight_update_consumer(conn, side, cfg):
+    u = plan(cfg)["update"]
+    device = cfg["device"]
+    src = list(side.loads(recv(conn, cfg["timeout"])).values())
+    params = [torch.empty_like(t) for t in src]
+    copies = time_copies(params, src, device, u["warmup"], u["iters"])
+    del src  # from here on, each update brings its own
     send_reply(conn, copies)
-    serve(conn, side, cfg["timeout"], on_obj=lambda sd: copy_from(sd.values()))
+    serve(conn, side, cfg["timeout"], on_obj=lambda sd: copy_all(params, sd.values(), device))
 
 
 def open_producer(conn, side, cfg):
@@ -540,7 +551,7 @@ def open_producer(conn, side, cfg):
     out = [metric("first_us", f"loads, {fmt_bytes(p['bytes'])} tensor in a new allocation", first.loads)]
     for key, label in (("cached_held_us", "loads, same tensor again, previous one held"),
                        ("cached_idle_us", "loads, same tensor again, previous one dropped")):
-        t = round_trips(conn, side, lambda: same, warmup=p["warmup"], iters=p["iters"], timeout=cfg["timeout"])
+        t = round_trips(conn, side, always(same), warmup=p["warmup"], iters=p["iters"], timeout=cfg["timeout"])
         out.append(metric(key, label, t.loads))
     return out
 
