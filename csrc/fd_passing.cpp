@@ -178,14 +178,17 @@ void serve_one(int sock) {
   bool with_blobs = !with_fds;
   std::vector<int> raw;
   for (auto& d : dups) raw.push_back(d.get());
+  ++s.served;  // counted before the last send: the client may look at once
   for (uint32_t first = 0; first < items.size() || first == 0; first += kBatch) {
     uint32_t count = std::min<uint32_t>(kBatch, static_cast<uint32_t>(items.size()) - first);
     ReplyHeader h{kReplyMagic, 0, static_cast<uint32_t>(items.size()), first, count,
                   (with_fds ? kHasFds : 0u) | (with_blobs ? kHasBlobs : 0u)};
-    if (!send_reply(sock, h, items.data() + first, with_fds ? raw.data() + first : nullptr)) return;
+    if (!send_reply(sock, h, items.data() + first, with_fds ? raw.data() + first : nullptr)) {
+      --s.served;
+      return;
+    }
     if (items.empty()) break;
   }
-  ++s.served;
 }
 
 void serve_forever(int listener) {
