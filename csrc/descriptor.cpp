@@ -54,6 +54,14 @@ class Reader {
     need(n, what);
     pos_ += n;
   }
+  // Padding and reserved bytes must be zero, so a later format can use them.
+  void zeros(size_t n, const char* what) {
+    need(n, what);
+    for (size_t i = 0; i < n; ++i)
+      if (p_[pos_ + i] != 0)
+        throw DescriptorError("malformed torch_ipc descriptor: " + std::string(what) + " is not zero");
+    pos_ += n;
+  }
   size_t pos() const { return pos_; }
   size_t left() const { return n_ - pos_; }
 
@@ -101,6 +109,17 @@ void check_index(uint64_t index, size_t count, const char* what) {
 }
 
 bool valid_kind(uint8_t k) { return k >= 1 && k <= 3; }
+
+LeaseRecord read_lease(Reader& r) {
+  LeaseRecord l;
+  l.owner.pid = r.get<uint32_t>("lease pid");
+  l.segment = r.get<uint32_t>("lease segment");
+  l.owner.start_time = r.get<uint64_t>("lease start time");
+  l.slot = r.get<uint32_t>("lease slot");
+  r.zeros(4, "lease padding");
+  l.generation = r.get<uint64_t>("lease generation");
+  return l;
+}
 
 }  // namespace
 
@@ -226,19 +245,14 @@ Descriptor decode(const void* data, size_t size) {
   for (auto& e : d.events) {
     e.device = r.get<uint16_t>("event device");
     check_index(e.device, n_devices, "event device");
-    r.skip(6, "event padding");
+    r.zeros(6, "event padding");
     e.sequence = r.get<uint64_t>("event sequence");
     r.bytes(e.handle.data(), 64, "event handle");
   }
 
   d.leases.resize(n_leases);
   for (auto& l : d.leases) {
-    l.owner.pid = r.get<uint32_t>("lease pid");
-    l.segment = r.get<uint32_t>("lease segment");
-    l.owner.start_time = r.get<uint64_t>("lease start time");
-    l.slot = r.get<uint32_t>("lease slot");
-    r.skip(4, "lease padding");
-    l.generation = r.get<uint64_t>("lease generation");
+    l = read_lease(r);
     if (l.owner.pid == 0 || l.generation == 0) bad("lease names no process or generation");
   }
 
@@ -247,7 +261,7 @@ Descriptor decode(const void* data, size_t size) {
     uint8_t kind = r.get<uint8_t>("alloc kind");
     if (!valid_kind(kind)) bad("unknown allocation kind " + std::to_string(kind));
     a.kind = static_cast<AllocKind>(kind);
-    r.skip(1, "alloc padding");
+    r.zeros(1, "alloc padding");
     a.device = r.get<uint16_t>("alloc device");
     if (a.kind == AllocKind::CpuShm) {
       if (a.device != kNone16) bad("a host allocation names a GPU");
@@ -256,11 +270,11 @@ Descriptor decode(const void* data, size_t size) {
     }
     a.lease = r.get<uint16_t>("alloc lease");
     check_index(a.lease, n_leases, "alloc lease");
-    r.skip(2, "alloc padding");
+    r.zeros(2, "alloc padding");
     a.size = r.get<uint64_t>("alloc size");
     r.bytes(a.handle.data(), 64, "alloc handle");
     a.extra = r.get<uint64_t>("alloc extra");
-    r.skip(8, "alloc reserved");
+    r.zeros(8, "alloc reserved");
     if (a.size == 0) bad("an allocation of zero bytes");
   }
 
@@ -270,7 +284,7 @@ Descriptor decode(const void* data, size_t size) {
     uint8_t kind = r.get<uint8_t>("storage kind");
     if (!valid_kind(kind)) bad("unknown storage kind " + std::to_string(kind));
     s.kind = static_cast<AllocKind>(kind);
-    r.skip(1, "storage padding");
+    r.zeros(1, "storage padding");
     s.device = r.get<uint16_t>("storage device");
     s.offset = r.get<uint64_t>("storage offset");
     s.nbytes = r.get<uint64_t>("storage size");
@@ -325,14 +339,7 @@ std::vector<LeaseRecord> peek_leases(const void* data, size_t size) {
   uint16_t n_leases = r.get<uint16_t>("lease count");
   r.skip(kHeaderBytes - 18 + 16ull * n_devices + kEventBytes * n_events, "tables");
   std::vector<LeaseRecord> leases(n_leases);
-  for (auto& l : leases) {
-    l.owner.pid = r.get<uint32_t>("lease pid");
-    l.segment = r.get<uint32_t>("lease segment");
-    l.owner.start_time = r.get<uint64_t>("lease start time");
-    l.slot = r.get<uint32_t>("lease slot");
-    r.skip(4, "lease padding");
-    l.generation = r.get<uint64_t>("lease generation");
-  }
+  for (auto& l : leases) l = read_lease(r);
   return leases;
 }
 
