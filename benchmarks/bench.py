@@ -866,7 +866,9 @@ def main(argv=None) -> int:
     rows = build_rows(names, sides)
     meta = next((s["meta"] for s in sides.values() if s["meta"]), None) or {}
     where = meta.get("producer", {}).get("gpu", "CPU tensors") if device == "cuda" else "CPU tensors"
+    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # e.g. expandable_segments:True (VMM memory)
     title = (f"torch_ipc vs torch.multiprocessing ({where}; torch {torch.__version__}"
+             f"{'; PYTORCH_CUDA_ALLOC_CONF=' + alloc_conf if alloc_conf else ''}"
              f"{'; quick' if args.quick else ''}): medians")
     table = render(rows, title)
     errors = {s: side["errors"] for s, side in sides.items() if side["errors"]}
