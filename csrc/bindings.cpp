@@ -157,6 +157,7 @@ PYBIND11_MODULE(_C, m) {
     return out;
   });
   m.def("shutdown", [] {
+    if (in_forked_child()) return;  // the parent's segments are not ours to unlink
     try {
       flush_imports();
     } catch (const CudaUnavailable&) {

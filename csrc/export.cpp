@@ -74,6 +74,20 @@ struct ExportRecord {
 
 using LeaseKey = std::tuple<uint32_t, uint32_t, uint64_t>;
 LeaseKey key_of(const LeaseRecord& l) { return {l.segment, l.slot, l.generation}; }
+// Leases of several owners: the owner's identity is part of the key.
+using FullLeaseKey = std::tuple<uint32_t, uint64_t, uint32_t, uint32_t, uint64_t>;
+FullLeaseKey full_key_of(const LeaseRecord& l) {
+  return {l.owner.pid, l.owner.start_time, l.segment, l.slot, l.generation};
+}
+
+// Note [forwarding]
+// A process that received a tensor may send it on. The third process maps the
+// owner's memory directly and holds the owner's lease itself, so the owner
+// keeps counting it even after the forwarder exits. In between, the forwarder
+// keeps one extra hold in the owner's slot per consumer it sent to (its
+// holder word, so it vanishes if the forwarder dies before delivery); the
+// consumer takes its own hold first and then removes one of those extras
+// (lease_transfer_hold). The owner's token revocation never touches them.
 
 struct Producer {
   std::mutex mu;
@@ -192,6 +206,7 @@ uint16_t index_of_device(Descriptor& d, std::map<int, uint16_t>& seen, int devic
 std::string export_tensors(const std::vector<at::Tensor>& tensors,
                            const std::vector<bool>& is_parameter, const std::string& payload,
                            uint32_t consumers) {
+  check_not_forked();
   TORCH_CHECK(consumers >= 1, "torch_ipc: consumers must be at least 1");
   TORCH_CHECK(is_parameter.empty() || is_parameter.size() == tensors.size(),
               "torch_ipc: is_parameter must have one entry per tensor");
@@ -204,11 +219,13 @@ std::string export_tensors(const std::vector<at::Tensor>& tensors,
   d.payload = payload;
 
   std::unordered_map<const c10::StorageImpl*, uint32_t> storage_index;
-  std::map<std::pair<uint8_t, Handle64>, uint32_t> alloc_index;
+  // One alloc record per (memory, lease): two forwarded tensors in one base
+  // allocation may come under two leases, and each lease must stay referenced.
+  std::map<std::tuple<uint8_t, Handle64, FullLeaseKey>, uint32_t> alloc_index;
   std::map<int, uint16_t> device_index;
   std::vector<std::pair<bool, LeaseRecord>> alloc_lease;  // (own, forwarded lease)
   auto record = std::make_unique<ExportRecord>();
-  std::map<LeaseKey, LeaseRecord> forwarded;
+  std::map<FullLeaseKey, LeaseRecord> forwarded;
 
   d.tensors.reserve(tensors.size());
   for (size_t ti = 0; ti < tensors.size(); ++ti) {
@@ -243,7 +260,7 @@ std::string export_tensors(const std::vector<at::Tensor>& tensors,
                  ctx->mapping->size, ctx->offset};
           own = false;
           lease = ctx->hold->lease;
-          forwarded.emplace(key_of(lease), lease);
+          forwarded.emplace(full_key_of(lease), lease);
         } else {
           loc = locate_own(storage);
           record->storages.push_back(storage);
@@ -251,7 +268,8 @@ std::string export_tensors(const std::vector<at::Tensor>& tensors,
           record->bytes += sr.nbytes;
         }
         sr.kind = loc.kind;
-        auto key = std::make_pair(static_cast<uint8_t>(loc.kind), loc.handle);
+        auto key = std::make_tuple(static_cast<uint8_t>(loc.kind), loc.handle,
+                                   own ? FullLeaseKey{} : full_key_of(lease));
         auto a = alloc_index.find(key);
         if (a == alloc_index.end()) {
           AllocRecord ar;
@@ -284,23 +302,6 @@ std::string export_tensors(const std::vector<at::Tensor>& tensors,
     d.tensors.push_back(std::move(tr));
   }
 
-  // Leases: ours first (if this message holds any storage of ours), then the
-  // owners' of forwarded tensors, who get one more token each per consumer.
-  std::map<LeaseKey, uint16_t> lease_index;
-  bool any_own = !record->storages.empty();
-  if (any_own) d.leases.emplace_back();  // slot 0, filled below
-  for (auto& [key, lease] : forwarded) {
-    lease_add_tokens(lease, consumers);
-    lease_index[key] = static_cast<uint16_t>(d.leases.size());
-    d.leases.push_back(lease);
-  }
-  if (any_own) {
-    record->lease = lease_acquire(consumers);
-    d.leases[0] = record->lease;
-  }
-  for (size_t i = 0; i < d.allocs.size(); ++i)
-    d.allocs[i].lease = alloc_lease[i].first ? 0 : lease_index.at(key_of(alloc_lease[i].second));
-
   for (auto& [device, index] : device_index) {
     ScopedContext scope(device);
     EventSlot& slot = next_event(device);
@@ -308,12 +309,31 @@ std::string export_tensors(const std::vector<at::Tensor>& tensors,
     d.events.push_back(EventRecord{index, producer().event_pools[device].next, slot.handle});
   }
 
-  std::string bytes = encode(d);
-  if (any_own) {
-    LeaseKey key = key_of(record->lease);
-    p.records.emplace(key, std::move(record));
+  // Leases: ours first (if this message holds any storage of ours), then the
+  // owners' of forwarded tensors (Note [forwarding]). Nothing after this point
+  // may fail without giving back what was taken.
+  std::map<FullLeaseKey, uint16_t> lease_index;
+  const bool any_own = !record->storages.empty();
+  if (any_own) d.leases.push_back(record->lease = lease_acquire(consumers));
+  std::vector<LeaseRecord> held_for_consumers;
+  try {
+    for (auto& [key, lease] : forwarded) {
+      lease_add_holds(lease, consumers);
+      held_for_consumers.push_back(lease);
+      lease_index[key] = static_cast<uint16_t>(d.leases.size());
+      d.leases.push_back(lease);
+    }
+    for (size_t i = 0; i < d.allocs.size(); ++i)
+      d.allocs[i].lease =
+          alloc_lease[i].first ? 0 : lease_index.at(full_key_of(alloc_lease[i].second));
+    std::string bytes = encode(d);
+    if (any_own) p.records.emplace(key_of(record->lease), std::move(record));
+    return bytes;
+  } catch (...) {
+    if (any_own) lease_abandon(record->lease);
+    for (const auto& lease : held_for_consumers) lease_remove_holds(lease, consumers);
+    throw;
   }
-  return bytes;
 }
 
 std::optional<c10::Storage> find_own_storage(const LeaseRecord& lease, AllocKind kind,
@@ -343,6 +363,7 @@ CUevent find_own_event(const Handle64& handle) {
 }
 
 int collect_exports() {
+  if (in_forked_child()) return 0;
   vmm_collect();  // VMM exports of storages that died since the last call
   Producer& p = producer();
   std::vector<std::unique_ptr<ExportRecord>> reclaimed;

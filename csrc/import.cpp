@@ -58,8 +58,10 @@ struct PendingRelease {
 // mapping with no tensor left stays open, idle, and is closed when its
 // producer exits, when it has been idle TORCH_IPC_IDLE_SECONDS, when more than
 // TORCH_IPC_IDLE_MAPPINGS are idle (oldest first), or on collect(close_idle=True).
-// Only GPU mappings stay idle; host ones close with their last tensor.
-// It pins nothing in the producer: the producer's lease is released already.
+// Only legacy IPC mappings stay idle; host and VMM ones close with their
+// last tensor, since they would keep the producer's freed memory alive.
+// The producer's lease is released already; the open handle may keep the
+// segment's memory until it closes if the producer frees it (empty_cache).
 struct Consumer {
   std::recursive_mutex mu;
   std::map<std::pair<uint8_t, Handle64>, std::shared_ptr<Mapping>> mappings;
@@ -220,6 +222,10 @@ c10::ScalarType checked_dtype(uint8_t code) {
 }
 
 void check_view_fits(const TensorRecord& t, size_t itemsize, uint64_t nbytes) {
+  int64_t numel = 1;
+  for (int64_t size : t.sizes)
+    if (__builtin_mul_overflow(numel, size, &numel))
+      throw DescriptorError("malformed torch_ipc descriptor: a tensor's element count overflows");
   unsigned __int128 last = static_cast<uint64_t>(t.storage_offset);
   for (size_t i = 0; i < t.sizes.size(); ++i) {
     if (t.sizes[i] == 0) return;  // an empty view touches no memory
@@ -237,6 +243,10 @@ c10::Storage empty_storage(c10::Device device) {
 }  // namespace
 
 Mapping::~Mapping() {
+  if (in_forked_child()) {  // CUDA is unusable here, and the mapping is the parent's
+    new std::shared_ptr<void>(std::move(vmm));
+    return;
+  }
   if (kind == AllocKind::CudaIpc && base != nullptr) {
     try {
       ScopedContext scope(device);
@@ -248,6 +258,10 @@ Mapping::~Mapping() {
 }
 
 Hold::~Hold() {
+  if (in_forked_child()) {  // the hold is the parent's to release
+    new std::vector<std::shared_ptr<Mapping>>(std::move(mappings));
+    return;
+  }
   Consumer& c = consumer();
   std::lock_guard<std::recursive_mutex> lock(c.mu);
   PendingRelease p{lease, {}, std::move(mappings)};
@@ -278,6 +292,7 @@ Hold::~Hold() {
 void delete_imported_storage(void* ctx) { delete static_cast<ImportedStorage*>(ctx); }
 
 ImportResult import_tensors(const std::string& data) {
+  check_not_forked();
   Descriptor d = decode(data.data(), data.size());
   if (d.boot_id != boot_id())
     throw DescriptorError(
@@ -296,14 +311,18 @@ ImportResult import_tensors(const std::string& data) {
   std::vector<std::shared_ptr<Hold>> holds(d.leases.size());
   for (size_t i = 0; i < d.leases.size(); ++i) {
     const LeaseRecord& l = d.leases[i];
+    const bool forwarded = l.owner != d.producer;  // Note [forwarding] in export.cpp
     if (l.owner == self_process()) {
-      lease_take_token(l);
+      // Our own export: the storages themselves keep it; just check it lives.
+      lease_take_token(l, /*take=*/!forwarded);
+      if (forwarded) lease_transfer_hold(l, d.producer.pid);
       continue;
     }
-    if (l.owner != d.producer && !process_alive(l.owner))
+    if (forwarded && !process_alive(l.owner))
       throw ProducerGone("torch_ipc: the process that owns this memory (pid " +
                          std::to_string(l.owner.pid) + ") has exited");
-    lease_hold(l);
+    lease_hold(l, /*take_token=*/!forwarded);
+    if (forwarded) lease_transfer_hold(l, d.producer.pid);
     ++c.holds;
     holds[i] = std::make_shared<Hold>();
     holds[i]->lease = l;
@@ -358,8 +377,12 @@ ImportResult import_tensors(const std::string& data) {
                                                                             : c10::DispatchKey::CPU);
     auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(storage), keys,
                                                      c10::scalarTypeToTypeMeta(dtype));
-    impl->set_sizes_and_strides(t.sizes, t.strides);
-    impl->set_storage_offset(t.storage_offset);
+    try {
+      impl->set_sizes_and_strides(t.sizes, t.strides);
+      impl->set_storage_offset(t.storage_offset);
+    } catch (const c10::Error& e) {
+      throw DescriptorError(std::string("malformed torch_ipc descriptor: ") + e.what_without_backtrace());
+    }
     at::Tensor tensor(std::move(impl));
     if (t.flags & kRequiresGrad) {
       if (!c10::isFloatingType(dtype) && !c10::isComplexType(dtype))
@@ -373,6 +396,7 @@ ImportResult import_tensors(const std::string& data) {
 }
 
 void collect_imports(bool close_idle) {
+  if (in_forked_child()) return;
   Consumer& c = consumer();
   std::vector<std::shared_ptr<Mapping>> closing;  // closed after the lock
   std::lock_guard<std::recursive_mutex> lock(c.mu);
@@ -411,9 +435,9 @@ void collect_imports(bool close_idle) {
   std::sort(idle.begin(), idle.end(), [](auto& a, auto& b) { return a.first < b.first; });
   int64_t over = static_cast<int64_t>(idle.size()) - c.max_idle;
   for (auto& [since, it] : idle) {
-    // Host memory: mapping again costs a few microseconds, and an idle mapping
-    // would pin memory its producer freed. Closed as soon as it is idle.
-    bool close = close_idle || it->second->kind == AllocKind::CpuShm || over-- > 0 ||
+    // Host and VMM memory: an idle mapping would keep physical memory that its
+    // producer freed (host mapping again costs microseconds). Closed at once.
+    bool close = close_idle || it->second->kind != AllocKind::CudaIpc || over-- > 0 ||
                  now - since > c.idle_ns ||
                  !producer_alive(it->second->producer);
     if (close) {
@@ -433,6 +457,7 @@ void collect_imports(bool close_idle) {
 }
 
 void flush_imports() {
+  if (in_forked_child()) return;
   Consumer& c = consumer();
   std::lock_guard<std::recursive_mutex> lock(c.mu);
   for (auto& p : c.pending) {

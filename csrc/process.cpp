@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <stdexcept>
 #include <map>
 #include <mutex>
 
@@ -56,6 +57,15 @@ const ProcessId& self_process() {
   static const ProcessId self{static_cast<uint32_t>(getpid()),
                               start_time_of(static_cast<uint32_t>(getpid()))};
   return self;
+}
+
+bool in_forked_child() { return static_cast<uint32_t>(getpid()) != self_process().pid; }
+
+void check_not_forked() {
+  if (in_forked_child())
+    throw std::runtime_error(
+        "torch_ipc cannot be used in a process forked from one that used it: it would act in its "
+        "parent's name. Start worker processes with the 'spawn' method.");
 }
 
 const Uuid& boot_id() {

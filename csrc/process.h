@@ -11,6 +11,17 @@ namespace torch_ipc {
 // This process: pid and start time (clock ticks after boot, /proc/self/stat).
 const ProcessId& self_process();
 
+// Note [fork]
+// A child forked from a process that used torch_ipc inherits its identity,
+// lease slots, segment names and fd server socket name, none of which it may
+// use: it would write descriptors in its parent's name and release its
+// parent's holds. Such a child cannot use CUDA either. So it refuses to
+// export or import (start processes with 'spawn'), and the deleters of what it
+// inherited do nothing.
+bool in_forked_child();
+// Throws a RuntimeError saying to use spawn, in a forked child.
+void check_not_forked();
+
 // The kernel's boot id (/proc/sys/kernel/random/boot_id): differs between
 // machines and between boots of one machine.
 const Uuid& boot_id();

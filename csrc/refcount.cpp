@@ -1,5 +1,6 @@
 #include "refcount.h"
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <memory>
@@ -121,29 +122,32 @@ class Leases {
   uint64_t next_generation_ = 0;
 };
 
-// Add one hold for `pid`; false when all holder words are taken.
-bool add_holder(Slot* s, uint32_t pid) {
+// Add n holds for `pid`; false when all holder words are taken.
+bool add_holder(Slot* s, uint32_t pid, uint32_t n = 1) {
   for (auto& h : s->holders) {
     uint64_t w = h.load();
     while (w != 0 && holder_pid(w) == pid) {
-      if (h.compare_exchange_weak(w, w + 1)) return true;
+      if (h.compare_exchange_weak(w, w + n)) return true;
     }
   }
   for (auto& h : s->holders) {
     uint64_t expected = 0;
-    if (h.compare_exchange_strong(expected, holder_word(pid, 1))) return true;
+    if (h.compare_exchange_strong(expected, holder_word(pid, n))) return true;
   }
   return false;
 }
 
-void remove_holder(Slot* s, uint32_t pid) {
+// Remove up to n holds of `pid`; returns how many were there to remove.
+uint32_t remove_holder(Slot* s, uint32_t pid, uint32_t n = 1) {
   for (auto& h : s->holders) {
     uint64_t w = h.load();
     while (w != 0 && holder_pid(w) == pid) {
-      uint64_t next = holder_count(w) <= 1 ? 0 : w - 1;
-      if (h.compare_exchange_weak(w, next)) return;
+      uint32_t take = std::min(n, holder_count(w));
+      uint64_t next = holder_count(w) <= take ? 0 : w - take;
+      if (h.compare_exchange_weak(w, next)) return take;
     }
   }
+  return 0;
 }
 
 // True when some living process holds; clears the words of dead holders.
@@ -205,7 +209,7 @@ LeaseCounts lease_counts(const LeaseRecord& lease) {
   return c;
 }
 
-void lease_hold(const LeaseRecord& lease) {
+void lease_hold(const LeaseRecord& lease, bool take_token) {
   Slot* s = Leases::get().slot(lease);
   uint32_t me = self_process().pid;
   if (!add_holder(s, me))
@@ -215,6 +219,7 @@ void lease_hold(const LeaseRecord& lease) {
     remove_holder(s, me);
     throw_released(lease);
   }
+  if (!take_token) return;
   uint32_t t = s->tokens.load();
   while (t > 0 && !s->tokens.compare_exchange_weak(t, t - 1)) {
   }
@@ -228,18 +233,46 @@ void lease_unhold(const LeaseRecord& lease) noexcept {
   }
 }
 
-void lease_add_tokens(const LeaseRecord& lease, uint32_t n) {
+void lease_add_holds(const LeaseRecord& lease, uint32_t n) {
   Slot* s = Leases::get().slot(lease);
-  s->tokens.fetch_add(n);
+  uint32_t me = self_process().pid;
+  if (!add_holder(s, me, n))
+    throw std::runtime_error("torch_ipc: more than " + std::to_string(kHoldersPerSlot) +
+                             " processes hold this export at once");
   if (s->generation.load() != lease.generation) {
-    s->tokens.fetch_sub(n);
+    remove_holder(s, me, n);
     throw_released(lease);
   }
 }
 
-void lease_take_token(const LeaseRecord& lease) {
+void lease_remove_holds(const LeaseRecord& lease, uint32_t n) noexcept {
+  try {
+    remove_holder(Leases::get().slot(lease), self_process().pid, n);
+  } catch (...) {
+  }
+}
+
+void lease_transfer_hold(const LeaseRecord& lease, uint32_t from_pid) noexcept {
+  try {
+    remove_holder(Leases::get().slot(lease), from_pid, 1);
+  } catch (...) {
+  }
+}
+
+void lease_abandon(const LeaseRecord& lease) noexcept {
+  try {
+    Slot* s = Leases::get().slot(lease);
+    s->tokens.store(0);
+    s->generation.store(0);
+    Leases::get().release_slot(lease);
+  } catch (...) {
+  }
+}
+
+void lease_take_token(const LeaseRecord& lease, bool take) {
   Slot* s = Leases::get().slot(lease);
   if (s->generation.load() != lease.generation) throw_released(lease);
+  if (!take) return;
   uint32_t t = s->tokens.load();
   while (t > 0 && !s->tokens.compare_exchange_weak(t, t - 1)) {
   }

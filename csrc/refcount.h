@@ -38,14 +38,22 @@ bool lease_try_reclaim(const LeaseRecord& lease);
 void lease_revoke_tokens(const LeaseRecord& lease);
 LeaseCounts lease_counts(const LeaseRecord& lease);
 
+// An export() that failed after acquiring gives its slot back.
+void lease_abandon(const LeaseRecord& lease) noexcept;
+
 // Consumer side (any process, the owner included). Throws Released when the
-// export was reclaimed, ProducerGone when its segment is gone.
-void lease_hold(const LeaseRecord& lease);
+// export was reclaimed, ProducerGone when its segment is gone. A load of a
+// forwarded descriptor takes no token (Note [forwarding] in export.cpp).
+void lease_hold(const LeaseRecord& lease, bool take_token);
 void lease_unhold(const LeaseRecord& lease) noexcept;
-// For re-sending a received tensor: the caller holds the lease, so it is open.
-void lease_add_tokens(const LeaseRecord& lease, uint32_t n);
-// Take one token without holding: a load in the owner process itself.
-void lease_take_token(const LeaseRecord& lease);
+// Forwarding: the forwarder holds n more for the consumers it sends to, each
+// of which moves one of those holds to itself once it holds on its own.
+void lease_add_holds(const LeaseRecord& lease, uint32_t n);
+void lease_remove_holds(const LeaseRecord& lease, uint32_t n) noexcept;
+void lease_transfer_hold(const LeaseRecord& lease, uint32_t from_pid) noexcept;
+// A load in the owner process itself: check the export lives and take one
+// token (if `take` and one is left), without holding.
+void lease_take_token(const LeaseRecord& lease, bool take = true);
 
 // Unlink this process's segments (at exit); mappings stay valid.
 void lease_unlink_own_segments();

@@ -5,15 +5,17 @@ they live at module level; the children import this module by name (pytest's
 default ``prepend`` import mode puts tests/ on sys.path, and spawn hands the
 parent's sys.path to its children). Nothing here touches CUDA at import time.
 """
+import contextlib
 import gc
 import os
 import secrets
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 import torch_ipc
+from torch_ipc.testing import Peer
 
 # What a child holds between calls: key -> object (tensors it loaded or made).
 HELD: Dict[str, Any] = {}
@@ -141,6 +143,76 @@ def storage_groups(obj: Any) -> List[int]:
     return [ptrs.index(p) for p in ptrs]
 
 
+# ----------------------------------------------------------------------------- views
+
+# The views of views_of() that can be written through (not broadcast, not overlapping, not empty).
+WRITABLE = ["row_slice", "col_step", "transposed", "element", "flat_window"]
+
+
+def views_of(base: torch.Tensor) -> dict:
+    """Every kind of view of a (7, 12) tensor, by name."""
+    return {
+        "full": base,
+        "row_slice": base[2:5],
+        "col_step": base[:, 1::3],
+        "transposed": base.t(),
+        "row": base[3],
+        "element": base[1, 2],
+        "empty_slice": base[2:2],
+        "expanded": base[0:1].expand(4, -1),  # stride 0
+        "overlapping": base.view(-1).as_strided((5, 4), (3, 1), 7),
+        "unsqueezed": base[:, None, 3:],
+        "flat_window": base.view(-1)[5:40],
+    }
+
+
+def write_views(key: str, view: str, seed: int) -> dict:
+    """Write fresh random values into `view` of every dtype held under `key`
+    (a dict of views_of() dicts); return what was written."""
+    gen = torch.Generator().manual_seed(seed)
+    written = {}
+    for name, views in HELD[key].items():
+        if view in views:
+            t = views[view]
+            src = random_tensor(tuple(t.shape), t.dtype, gen, t.device.type)
+            t.copy_(src)
+            written[name] = bits(src)  # bits() copies to the host: the write has finished
+    return written
+
+
+def view_bits(key: str, view: str) -> dict:
+    return {name: bits(views[view]) for name, views in HELD[key].items() if view in views}
+
+
+# ----------------------------------------------------------------------------- peers (test side)
+
+
+@contextlib.contextmanager
+def peer_pair(timeout: float, names: Tuple[str, str] = ("producer", "consumer"),
+              init: Optional[Callable[[], Any]] = None) -> Iterator[Tuple[Peer, Peer]]:
+    """Two Peers named `names` (by default a producer and a consumer), each of
+    which first runs `init` when given; both must exit cleanly
+    (close(check=True)) when the block ends without an error."""
+    with Peer(timeout=timeout, name=names[0]) as producer, Peer(timeout=timeout, name=names[1]) as consumer:
+        if init is not None:
+            producer.call(init)
+            consumer.call(init)
+        yield producer, consumer
+        producer.close(check=True)
+        consumer.close(check=True)
+
+
+def drop_pair_after(request) -> None:
+    """For an autouse fixture, after its test: when the test used the module's
+    `pair` fixture and both peers live, drop what the consumer, then the
+    producer, holds."""
+    if "pair" in request.fixturenames:
+        producer, consumer = request.getfixturevalue("pair")
+        if consumer.is_alive() and producer.is_alive():
+            consumer.call(drop)
+            producer.call(drop)
+
+
 # ----------------------------------------------------------------------------- child-side operations
 
 
@@ -206,6 +278,41 @@ def export_random(key: str, shape, dtype_name_: str = "float32", consumers: int 
     HELD[key] = x
     data = torch_ipc.dumps(x, consumers=consumers)
     return data, bits(x), x.untyped_storage().nbytes()
+
+
+def open_fds() -> int:
+    """How many file descriptors this process has open."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+def share_batch(count: int, seed: int, device: str = "cpu", exact: Callable[[torch.Tensor], Any] = bits):
+    """`count` descriptors of {"t": tensor, "i": index}: the same tensor again and
+    again (even i) and fresh small float16 ones (odd i); every 50 descriptors,
+    the first two carry exact(tensor) to check, the others None."""
+    gen = torch.Generator().manual_seed(seed)
+    x = HELD.setdefault("same", random_tensor((1024,), torch.float32, gen, device))
+    out = []
+    for i in range(count):
+        t = x if i % 2 == 0 else random_tensor((int(torch.randint(1, 4096, (1,), generator=gen)),), torch.float16, gen, device)
+        out.append((torch_ipc.dumps({"t": t, "i": i}), exact(t) if i % 50 < 2 else None))
+    return out
+
+
+def load_batch(batch, exact: Callable[[torch.Tensor], Any] = bits) -> Dict[str, int]:
+    """Load and drop each descriptor of share_batch() in turn; return stats()
+    after a collect, with "fds" (open_fds()) and "bad" (how many loads had the
+    wrong index or values)."""
+    bad = 0
+    for i, (data, want) in enumerate(batch):
+        obj = torch_ipc.loads(data)
+        if obj["i"] != i or (want is not None and exact(obj["t"]) != want):
+            bad += 1
+        del obj
+    torch_ipc.collect()
+    s = torch_ipc.stats()
+    s["fds"] = open_fds()
+    s["bad"] = bad
+    return s
 
 
 def digest_held(key: str) -> str:

@@ -9,58 +9,35 @@ import torch
 
 import ipc_test_utils as u
 import torch_ipc
-from torch_ipc.testing import Peer, run_in_subprocess
+from torch_ipc.testing import run_in_subprocess
 
 VIEWS = [
     "full", "row_slice", "col_step", "transposed", "row", "element", "empty_slice",
     "expanded", "overlapping", "unsqueezed", "flat_window",
 ]  # fmt: skip
-WRITABLE = ["row_slice", "col_step", "transposed", "element", "flat_window"]
 
 
 @pytest.fixture(scope="module")
 def pair():
     """A producer and a consumer process for this module's tests."""
-    with Peer(timeout=120, name="producer") as producer, Peer(timeout=120, name="consumer") as consumer:
+    with u.peer_pair(timeout=120) as (producer, consumer):
         yield producer, consumer
-        producer.close(check=True)
-        consumer.close(check=True)
 
 
 @pytest.fixture(autouse=True)
 def _drop_between_tests(request):
     yield
-    if "pair" in request.fixturenames:
-        producer, consumer = request.getfixturevalue("pair")
-        if consumer.is_alive() and producer.is_alive():
-            consumer.call(u.drop)
-            producer.call(u.drop)
+    u.drop_pair_after(request)
 
 
 # ----------------------------------------------------------------------------- child functions
-
-
-def views_of(base: torch.Tensor) -> dict:
-    return {
-        "full": base,
-        "row_slice": base[2:5],
-        "col_step": base[:, 1::3],
-        "transposed": base.t(),
-        "row": base[3],
-        "element": base[1, 2],
-        "empty_slice": base[2:2],
-        "expanded": base[0:1].expand(4, -1),  # stride 0
-        "overlapping": base.view(-1).as_strided((5, 4), (3, 1), 7),
-        "unsqueezed": base[:, None, 3:],
-        "flat_window": base.view(-1)[5:40],
-    }
 
 
 def _export_views(seed: int):
     gen = torch.Generator().manual_seed(seed)
     batch = {}
     for dtype in u.dtypes():
-        batch[u.dtype_name(dtype)] = views_of(u.random_tensor((7, 12), dtype, gen))
+        batch[u.dtype_name(dtype)] = u.views_of(u.random_tensor((7, 12), dtype, gen))
     batch["other"] = {
         "empty": torch.empty(0),
         "empty_2d": torch.empty(3, 0, dtype=torch.int16),
@@ -70,23 +47,6 @@ def _export_views(seed: int):
     }
     u.HELD["views"] = batch
     return torch_ipc.dumps(batch), u.fingerprint(batch), u.storage_groups(batch)
-
-
-def _write_views(key: str, view: str, seed: int) -> dict:
-    """Write fresh random values into `view` of every dtype; return what was written."""
-    gen = torch.Generator().manual_seed(seed)
-    written = {}
-    for name, views in u.HELD[key].items():
-        if view in views:
-            t = views[view]
-            src = u.random_tensor(tuple(t.shape), t.dtype, gen)
-            t.copy_(src)
-            written[name] = u.bits(src)
-    return written
-
-
-def _view_bits(key: str, view: str) -> dict:
-    return {name: u.bits(views[view]) for name, views in u.HELD[key].items() if view in views}
 
 
 def _dtypes_here():
@@ -113,21 +73,21 @@ def test_every_dtype_and_view_exact(pair):
     assert consumer.call(u.held_groups, "views") == groups
 
 
-@pytest.mark.parametrize("view", WRITABLE)
+@pytest.mark.parametrize("view", u.WRITABLE)
 def test_writes_are_seen_both_ways(pair, view):
     producer, consumer = pair
     seed = u.new_seed()
     data, before, _ = producer.call(_export_views, seed)
     consumer.call(u.load_quietly, "views", data)
     # consumer -> producer
-    written = consumer.call(_write_views, "views", view, seed + 1)
-    assert producer.call(_view_bits, "views", view) == written, f"seed {seed}"
+    written = consumer.call(u.write_views, "views", view, seed + 1)
+    assert producer.call(u.view_bits, "views", view) == written, f"seed {seed}"
     after_consumer = producer.call(u.held_fingerprint, "views")
     assert after_consumer != before
     assert consumer.call(u.held_fingerprint, "views") == after_consumer
     # producer -> consumer
-    written = producer.call(_write_views, "views", view, seed + 2)
-    assert consumer.call(_view_bits, "views", view) == written, f"seed {seed}"
+    written = producer.call(u.write_views, "views", view, seed + 2)
+    assert consumer.call(u.view_bits, "views", view) == written, f"seed {seed}"
     assert consumer.call(u.held_fingerprint, "views") == producer.call(u.held_fingerprint, "views")
 
 

@@ -78,37 +78,18 @@ def test_memory_returns_after_the_consumer_releases_or_dies(how):
 
 
 def _share_batch(count: int, seed: int):
-    """`count` descriptors: the same tensor again and again, and fresh small ones."""
-    gen = torch.Generator().manual_seed(seed)
-    x = u.HELD.setdefault("same", u.random_tensor((1024,), torch.float32, gen, "cuda"))
-    out = []
-    for i in range(count):
-        if i % 2:
-            t = u.random_tensor((int(torch.randint(1, 4096, (1,), generator=gen)),), torch.float16, gen, "cuda")
-            out.append((torch_ipc.dumps({"t": t, "i": i}), u.digest(t) if i % 50 == 1 else None))
-        else:
-            out.append((torch_ipc.dumps({"t": x, "i": i}), u.digest(x) if i % 50 == 0 else None))
-    return out
+    return u.share_batch(count, seed, "cuda", u.digest)
 
 
 def _load_batch(batch):
-    bad = 0
-    for i, (data, want) in enumerate(batch):
-        obj = torch_ipc.loads(data)
-        if obj["i"] != i or (want is not None and u.digest(obj["t"]) != want):
-            bad += 1
-        del obj
-    torch_ipc.collect()
-    s = torch_ipc.stats()
-    s["fds"] = len(os.listdir("/proc/self/fd"))
+    s = u.load_batch(batch, u.digest)
     s["allocated"] = torch.cuda.memory_allocated()
-    s["bad"] = bad
     return s
 
 
 def _producer_state():
     s = u.wait_for_stats("exports", 0, RECLAIM_S)
-    s["fds"] = len(os.listdir("/proc/self/fd"))
+    s["fds"] = u.open_fds()
     s["allocated"] = _memory_allocated()
     return s
 

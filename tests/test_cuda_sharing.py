@@ -19,27 +19,18 @@ REQUIRED_DTYPES = (
     "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
     "float64", "complex64", "float8_e4m3fn", "float8_e5m2",
 )  # fmt: skip
-WRITABLE = ["row_slice", "col_step", "transposed", "element", "flat_window"]
 
 
 @pytest.fixture(scope="module")
 def pair():
-    with Peer(timeout=180, name="cuda-producer") as producer, Peer(timeout=180, name="cuda-consumer") as consumer:
-        producer.call(_init_cuda)
-        consumer.call(_init_cuda)
+    with u.peer_pair(timeout=180, names=("cuda-producer", "cuda-consumer"), init=_init_cuda) as (producer, consumer):
         yield producer, consumer
-        producer.close(check=True)
-        consumer.close(check=True)
 
 
 @pytest.fixture(autouse=True)
 def _drop_between_tests(request):
     yield
-    if "pair" in request.fixturenames:
-        producer, consumer = request.getfixturevalue("pair")
-        if consumer.is_alive() and producer.is_alive():
-            consumer.call(u.drop)
-            producer.call(u.drop)
+    u.drop_pair_after(request)
 
 
 # ----------------------------------------------------------------------------- child functions
@@ -51,27 +42,11 @@ def _init_cuda():
     return torch.cuda.device_count()
 
 
-def views_of(base: torch.Tensor) -> dict:
-    return {
-        "full": base,
-        "row_slice": base[2:5],
-        "col_step": base[:, 1::3],
-        "transposed": base.t(),
-        "row": base[3],
-        "element": base[1, 2],
-        "empty_slice": base[2:2],
-        "expanded": base[0:1].expand(4, -1),
-        "overlapping": base.view(-1).as_strided((5, 4), (3, 1), 7),
-        "unsqueezed": base[:, None, 3:],
-        "flat_window": base.view(-1)[5:40],
-    }
-
-
 def _export_views(seed: int, device: str = "cuda"):
     gen = torch.Generator().manual_seed(seed)
     batch = {}
     for dtype in u.dtypes(device):
-        batch[u.dtype_name(dtype)] = views_of(u.random_tensor((7, 12), dtype, gen, device))
+        batch[u.dtype_name(dtype)] = u.views_of(u.random_tensor((7, 12), dtype, gen, device))
     batch["other"] = {
         "empty": torch.empty(0, device=device),
         "empty_2d": torch.empty(3, 0, dtype=torch.int16, device=device),
@@ -84,22 +59,6 @@ def _export_views(seed: int, device: str = "cuda"):
     }
     u.HELD["views"] = batch
     return torch_ipc.dumps(batch), u.fingerprint(batch), u.storage_groups(batch), [u.dtype_name(d) for d in u.dtypes(device)]
-
-
-def _write_views(key: str, view: str, seed: int) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    written = {}
-    for name, views in u.HELD[key].items():
-        if view in views:
-            t = views[view]
-            src = u.random_tensor(tuple(t.shape), t.dtype, gen, t.device.type)
-            t.copy_(src)
-            written[name] = u.bits(src)  # bits() copies to the host: the write has finished
-    return written
-
-
-def _view_bits(key: str, view: str) -> dict:
-    return {name: u.bits(views[view]) for name, views in u.HELD[key].items() if view in views}
 
 
 def _devices_of(key: str):
@@ -124,18 +83,18 @@ def test_every_dtype_and_view_exact(pair):
     assert consumer.call(_devices_of, "views") == ["cuda:0"]
 
 
-@pytest.mark.parametrize("view", WRITABLE)
+@pytest.mark.parametrize("view", u.WRITABLE)
 def test_writes_are_seen_both_ways(pair, view):
     producer, consumer = pair
     seed = u.new_seed()
     data, before, _, _ = producer.call(_export_views, seed)
     consumer.call(u.load_quietly, "views", data)
-    written = consumer.call(_write_views, "views", view, seed + 1)
-    assert producer.call(_view_bits, "views", view) == written, f"seed {seed}"
+    written = consumer.call(u.write_views, "views", view, seed + 1)
+    assert producer.call(u.view_bits, "views", view) == written, f"seed {seed}"
     after = producer.call(u.held_fingerprint, "views")
     assert after != before and consumer.call(u.held_fingerprint, "views") == after
-    written = producer.call(_write_views, "views", view, seed + 2)
-    assert consumer.call(_view_bits, "views", view) == written, f"seed {seed}"
+    written = producer.call(u.write_views, "views", view, seed + 2)
+    assert consumer.call(u.view_bits, "views", view) == written, f"seed {seed}"
     assert consumer.call(u.held_fingerprint, "views") == producer.call(u.held_fingerprint, "views")
 
 
@@ -276,17 +235,10 @@ def test_consumer_that_sees_only_the_second_gpu(pair):
         written = swapped.call(_write_tensor, "multi", "x", u.new_seed())
         assert producer.call(_tensor_bits, "multi", "x") == written
     with Peer(timeout=180, env={"CUDA_VISIBLE_DEVICES": uuids[0]}) as blind:
-        err = blind.call(_load_error, data)
-        assert err is not None and err[0] == "DeviceNotFoundError", err
+        err = blind.call(u.try_load, data)
+        assert err[0] == "DeviceNotFoundError", err
 
 
 def _tensor_device(key: str, name: str):
     return str(u.HELD[key][name].device)
 
-
-def _load_error(data: bytes):
-    try:
-        torch_ipc.loads(data)
-    except Exception as e:
-        return type(e).__name__, str(e)
-    return None

@@ -304,7 +304,7 @@ def _client_close_without_loading(address, authkey):
     return True
 
 
-def test_closing_a_connection_gives_back_what_was_never_loaded():
+def test_peer_closing_gives_back_what_it_never_loaded():
     key = os.urandom(16)
     torch_ipc.collect()
     base = torch_ipc.stats()["exports"]
@@ -315,6 +315,29 @@ def test_closing_a_connection_gives_back_what_was_never_loaded():
             assert conn.recv() == "ready"
             conn.send(torch.randn(100))
             assert torch_ipc.stats()["exports"] == base + 1
-            assert peer.result(TIMEOUT)
-            conn.close()
+            assert peer.result(TIMEOUT)  # the peer closed its end, its process lives on
             assert _wait_for(lambda: torch_ipc.stats()["exports"] == base), torch_ipc.stats()
+            conn.close()
+
+
+def _client_recv_late(address, authkey):
+    import torch_ipc
+
+    with torch_ipc.connect(address, authkey=authkey) as conn:
+        conn.send("ready")
+        time.sleep(0.5)  # the sender has closed its end by now
+        x = conn.recv()
+        return x.tolist()
+
+
+def test_send_then_close_still_delivers():
+    key = os.urandom(16)
+    with torch_ipc.listen(authkey=key) as listener:
+        with Peer(timeout=TIMEOUT) as peer:
+            peer.start_call(_client_recv_late, listener.address, key)
+            conn = listener.accept()
+            assert conn.recv() == "ready"
+            x = torch.randn(5)
+            conn.send(x)
+            conn.close()
+            assert peer.result(TIMEOUT) == x.tolist()

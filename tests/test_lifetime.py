@@ -28,10 +28,8 @@ def producer():
 
 @pytest.fixture(scope="module")
 def consumers():
-    with Peer(timeout=120, name="consumer-1") as c1, Peer(timeout=120, name="consumer-2") as c2:
+    with u.peer_pair(timeout=120, names=("consumer-1", "consumer-2")) as (c1, c2):
         yield c1, c2
-        c1.close(check=True)
-        c2.close(check=True)
 
 
 @pytest.fixture(autouse=True)
@@ -49,15 +47,6 @@ def _clean(request):
         s = peers[0].call(u.wait_for_stats, "exports", 0, RECLAIM_S)
         assert s["exports"] == 0, f"an earlier test left an export behind: {s}"
     yield
-
-
-def _load_error(data: bytes):
-    """Load in a child and return the exception's type, or None."""
-    try:
-        torch_ipc.loads(data)
-    except Exception as e:
-        return type(e).__name__, str(e)
-    return None
 
 
 def test_stats_keys_are_ints(producer):
@@ -203,40 +192,15 @@ def test_shared_memory_files_do_not_outlive_their_producer(consumers):
     assert u.shm_files_of(pid) == [], "files of a dead producer survive the next producer's sweep"
 
 
-def _cpu_share_batch(count: int, seed: int):
-    """`count` descriptors: the same tensor again and again, and fresh small ones."""
-    gen = torch.Generator().manual_seed(seed)
-    x = u.HELD.setdefault("same", u.random_tensor((1024,), torch.float32, gen))
-    out = []
-    for i in range(count):
-        t = x if i % 2 == 0 else u.random_tensor((int(torch.randint(1, 4096, (1,), generator=gen)),), torch.float16, gen)
-        out.append((torch_ipc.dumps({"t": t, "i": i}), u.bits(t) if i % 50 < 2 else None))
-    return out
-
-
 def _deleted_shm_mappings() -> int:
     """Mappings of torch_ipc shared memory whose file is gone: memory nobody can reuse."""
     with open("/proc/self/maps") as f:
         return sum(1 for line in f if "/torch_ipc." in line and line.rstrip().endswith("(deleted)"))
 
 
-def _cpu_load_batch(batch):
-    bad = 0
-    for i, (data, want) in enumerate(batch):
-        obj = torch_ipc.loads(data)
-        if obj["i"] != i or (want is not None and u.bits(obj["t"]) != want):
-            bad += 1
-        del obj
-    torch_ipc.collect()
-    s = torch_ipc.stats()
-    s["fds"] = len(os.listdir("/proc/self/fd"))
-    s["bad"] = bad
-    return s
-
-
 def _cpu_producer_state():
     s = u.wait_for_stats("exports", 0, RECLAIM_S)
-    s["fds"] = len(os.listdir("/proc/self/fd"))
+    s["fds"] = u.open_fds()
     s["shm_files"] = len(u.shm_files_of(os.getpid()))
     return s
 
@@ -251,7 +215,7 @@ def test_many_share_release_cycles_leak_nothing(producer, consumers):
     batches, per_batch = 6, 400
     first_p = first_c = None
     for b in range(batches):
-        c = c1.call(_cpu_load_batch, producer.call(_cpu_share_batch, per_batch, b))
+        c = c1.call(u.load_batch, producer.call(u.share_batch, per_batch, b))
         p = producer.call(_cpu_producer_state)
         assert c["bad"] == 0, f"batch {b}: wrong values"
         assert c["imports"] == 0 and c["pending_releases"] == 0, c
@@ -273,7 +237,7 @@ def test_consumer_does_not_keep_freed_host_memory_mapped(producer, consumers):
     memory for nothing."""
     c1, _ = consumers
     for b in range(3):
-        c1.call(_cpu_load_batch, producer.call(_cpu_share_batch, 400, 100 + b))
+        c1.call(u.load_batch, producer.call(u.share_batch, 400, 100 + b))
         producer.call(u.drop)
         producer.call(_cpu_producer_state)
     deleted, s = c1.call(_consumer_maps)

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+import ipc_test_utils as u
 from torch_ipc.testing import Peer, PeerError, PeerTimeout, run_in_subprocess, skip_reason
 
 # ----------------------------------------------------------------------------- child functions
@@ -89,25 +90,6 @@ def _start_grandpeer():
     return _STATE["peer"].pid
 
 
-# ----------------------------------------------------------------------------- helpers
-
-
-def _gone(pid, within=10.0):
-    """True once `pid` no longer runs (absent, or a zombie nobody reaped yet)."""
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return True
-        if state in ("Z", "X"):
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-
-
 # ----------------------------------------------------------------------------- run_in_subprocess
 
 
@@ -115,7 +97,7 @@ def test_returns_value_from_another_process():
     value, pid = run_in_subprocess(_add, 2, b=40, timeout=60)
     assert value == 42
     assert pid != os.getpid()
-    assert _gone(pid, within=0), "the child must be reaped when run_in_subprocess returns"
+    assert u.process_gone(pid, within=0), "the child must be reaped when run_in_subprocess returns"
 
 
 def test_large_result_comes_back_whole():
@@ -169,8 +151,8 @@ def test_timeout_kills_child_and_its_process_group(tmp_path):
     assert "_sleep_with_grandchild" in err.child_traceback, "the child's stack at the timeout"
     child, grandchild = map(int, path.read_text().split())
     assert child == err.pid
-    assert _gone(child, within=0), "the child must be dead and reaped"
-    assert _gone(grandchild), "the child's own children must be killed too"
+    assert u.process_gone(child, within=0), "the child must be dead and reaped"
+    assert u.process_gone(grandchild), "the child's own children must be killed too"
 
 
 def test_returned_but_crashed_at_exit_is_an_error():
@@ -273,7 +255,7 @@ def test_peer_timeout_kills_it():
         peer.timeout = 2
         with pytest.raises(PeerTimeout):
             peer.call(_sleep, 600)
-        assert not peer.is_alive() and _gone(peer.pid, within=0)
+        assert not peer.is_alive() and u.process_gone(peer.pid, within=0)
         with pytest.raises(PeerError):
             peer.call(_sleep, 0)
     finally:
@@ -285,7 +267,7 @@ def test_peer_close_is_idempotent_and_clean():
     pid = peer.call(os.getpid)
     assert peer.close(check=True) == 0
     assert peer.close(check=True) == 0
-    assert _gone(pid, within=0)
+    assert u.process_gone(pid, within=0)
     with pytest.raises(PeerError):
         peer.call(os.getpid)
 
@@ -297,7 +279,7 @@ def test_peer_close_while_busy_kills_at_once():
     t0 = time.monotonic()
     assert peer.close(check=True) == -signal.SIGKILL  # an abandoned call is no error
     assert time.monotonic() - t0 < 5
-    assert _gone(peer.pid, within=0)
+    assert u.process_gone(peer.pid, within=0)
 
 
 def test_peer_close_check_reports_a_crash_at_exit():
@@ -313,15 +295,15 @@ def test_peer_dropped_without_close_is_killed():
     pid = peer.call(os.getpid)
     del peer
     gc.collect()
-    assert _gone(pid), "a Peer that is garbage collected must kill its child"
+    assert u.process_gone(pid), "a Peer that is garbage collected must kill its child"
 
 
 def test_peer_child_dies_with_its_parent():
     with Peer(timeout=60) as parent:
         grandchild = parent.call(_start_grandpeer)
-        assert not _gone(grandchild, within=0)
+        assert not u.process_gone(grandchild, within=0)
         parent.kill()
-        assert _gone(grandchild), "a peer's peer must die when the peer is SIGKILLed"
+        assert u.process_gone(grandchild), "a peer's peer must die when the peer is SIGKILLed"
 
 
 # ----------------------------------------------------------------------------- pytest plugin

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+import ipc_test_utils as u
 import torch_ipc
 from torch_ipc import _C
 from torch_ipc.testing import Peer, PeerError, cuda_device_count
@@ -184,14 +185,6 @@ def _publish_memfd(nbytes):
     os.ftruncate(fd, nbytes)
     _STATE.setdefault("fds", []).append(fd)
     return _C._fd_publish([fd], [nbytes])
-
-
-def _load_error(data):
-    try:
-        torch_ipc.loads(data)
-    except Exception as e:  # noqa: BLE001 - the type is what the test checks
-        return type(e).__name__, str(e)
-    return None, ""
 
 
 # ----------------------------------------------------------------------------- CPU tests
@@ -386,7 +379,7 @@ def test_wrong_size_is_a_clear_error(producer, consumer):
     data, _ = producer.call(_produce, 1000, 8, "pool")
     at = _find_vmm_alloc(data, granularity)
     forged = _reseal(data[: at + 8] + struct.pack("<Q", 2 * granularity) + data[at + 16 :])
-    kind, text = consumer.call(_load_error, forged)
+    kind, text = consumer.call(u.try_load, forged)
     assert kind == "DescriptorError" and "VMM handle field" in text, text
 
 
@@ -400,5 +393,5 @@ def test_fd_that_is_not_cuda_memory_is_a_clear_error(producer, consumer):
     field[2:4] = b"\0\0"  # no fd numbers: ask the socket
     field[8:16] = struct.pack("<Q", ident)
     forged = _reseal(data[:at] + bytes(field) + data[at + 64 :])
-    kind, text = consumer.call(_load_error, forged)
+    kind, text = consumer.call(u.try_load, forged)
     assert kind == "CudaError" and "not a CUDA allocation" in text, text

@@ -8,13 +8,14 @@ connection or dies (Note [connection lifetime]).
 
 import os
 import secrets
+import socket
 import struct
 import sys
 import threading
 import weakref
 from multiprocessing import AuthenticationError
 from multiprocessing import connection as mpc
-from typing import Any, Optional, Union
+from typing import Any, List, Optional, Tuple, Union
 
 from . import _C, _serialize
 
@@ -25,18 +26,35 @@ Address = Union[str, tuple]
 # Note [connection lifetime]
 # A consumer that loaded something holds it through its lease until it drops
 # the tensors or dies (refcount.h). What a connection sent but the peer never
-# loaded is a token nobody will take; when the connection closes, or the
-# collector sees the peer's pid gone, those tokens are revoked so the exports
-# can be reclaimed.
+# loaded is a token nobody will take: once the peer can no longer read it (its
+# process is gone, or it closed its end) the collector revokes those tokens so
+# the exports can be reclaimed. Closing our own end does not: messages may
+# still sit unread in the socket, and `send(); close()` is a normal pattern.
+# Their keys wait in _orphans until the peer exits.
 _open_connections: "weakref.WeakSet[Connection]" = weakref.WeakSet()
-_open_lock = threading.Lock()
+_orphans: List[Tuple[int, list]] = []  # (peer pid, lease keys) of closed connections
+_open_lock = threading.RLock()  # RLock: Connection.__del__ may run inside a locked region
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def _check_peers() -> None:
     with _open_lock:
         conns = list(_open_connections)
+        orphans = [o for o in _orphans if not _pid_alive(o[0])]
+        _orphans[:] = [o for o in _orphans if _pid_alive(o[0])]
+    for _, keys in orphans:
+        _C.revoke_leases(keys)
     for c in conns:
-        if not c._peer_alive():
+        if not c._peer_alive() or c._peer_closed():
             c._revoke_sent()
 
 
@@ -75,13 +93,21 @@ class Connection:
         return self._conn.closed
 
     def _peer_alive(self) -> bool:
-        try:
-            os.kill(self.peer_pid, 0)
-            return True
-        except ProcessLookupError:
+        return _pid_alive(self.peer_pid)
+
+    def _peer_closed(self) -> bool:
+        """True when the peer closed its end (end of file is next to read)."""
+        if self._conn.closed or not self._sent:
             return False
-        except PermissionError:
+        sock = socket.socket(fileno=self._conn.fileno())
+        try:
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
             return True
+        finally:
+            sock.detach()
 
     def _revoke_sent(self) -> None:
         sent, self._sent = self._sent, []
@@ -89,9 +115,13 @@ class Connection:
             _C.revoke_leases(sent)
 
     def close(self) -> None:
-        """Close; what the peer never loaded is given back. Idempotent."""
-        self._revoke_sent()
+        """Close our end. Idempotent. What the peer has not loaded yet stays
+        loadable while the peer lives (it may still read it from the socket)
+        and is given back when it exits."""
         with _open_lock:
+            sent, self._sent = self._sent, []
+            if sent:
+                _orphans.append((self.peer_pid, sent))
             _open_connections.discard(self)
         self._conn.close()
 

@@ -1,0 +1,129 @@
+"""Lifetime across three processes (a tensor passed on by the process that
+received it) and the refusal of a forked child, on host memory so that it runs
+everywhere; the same code paths serve CUDA memory."""
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+
+import torch_ipc
+from torch_ipc import _C
+from torch_ipc.testing import Peer
+
+import ipc_test_utils as u
+
+TIMEOUT = 120
+
+
+def _relay(d1, d2):
+    """Load two messages, send them on as one, drop our own views."""
+    import torch_ipc
+
+    y1, y2 = torch_ipc.loads(d1), torch_ipc.loads(d2)
+    data = torch_ipc.dumps({"a": y1, "b": y2})
+    del y1, y2
+    return data
+
+
+def _relay_one(d):
+    import torch_ipc
+
+    y = torch_ipc.loads(d)
+    data = torch_ipc.dumps(y)
+    del y
+    return data
+
+
+def _wait_live(keys, want, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        torch_ipc.collect()
+        if _C.live_leases(keys) == want:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_relayed_tensors_from_one_allocation_keep_both_leases():
+    x = torch.arange(8.0)
+    d1, d2 = torch_ipc.dumps(x[:4]), torch_ipc.dumps(x[4:])  # two exports, one allocation
+    keys = [_C.own_lease(d1), _C.own_lease(d2)]
+    with Peer(timeout=TIMEOUT) as relay, Peer(timeout=TIMEOUT) as third:
+        d3 = relay.call(_relay, d1, d2)
+        info = _C.describe(d3)
+        assert sorted(a["lease"] for a in info["allocs"]) == [0, 1], "one alloc record per lease"
+        third.call(u.load, "z", d3)
+        relay.close()  # the relay is gone; the third process still holds both
+        time.sleep(0.3)
+        assert _C.live_leases(keys) == keys, "an export was reclaimed under a living holder"
+        assert third.call(u.held_fingerprint, "z") == u.fingerprint({"a": x[:4], "b": x[4:]})
+        third.call(u.drop, "z")
+        assert _wait_live(keys, []), "exports not reclaimed after the last holder dropped them"
+
+
+def test_owner_revoking_its_tokens_keeps_a_forwarded_delivery():
+    x = torch.randn(16)
+    d = torch_ipc.dumps(x)
+    key = _C.own_lease(d)
+    with Peer(timeout=TIMEOUT) as relay, Peer(timeout=TIMEOUT) as third:
+        d2 = relay.call(_relay_one, d)  # the relay loaded (took the token) and dropped
+        _C.revoke_leases([key])  # as a closing connection to the relay would
+        time.sleep(0.3)
+        third.call(u.load, "y", d2)  # still deliverable: the relay's extra hold kept it
+        assert third.call(u.held_fingerprint, "y") == u.fingerprint(x)
+        third.call(u.drop, "y")
+        relay.close()
+        assert _wait_live([key], [])
+
+
+def test_forwarded_delivery_is_given_back_if_the_relay_dies_first():
+    x = torch.randn(16)
+    d = torch_ipc.dumps(x)
+    key = _C.own_lease(d)
+    with Peer(timeout=TIMEOUT) as relay:
+        relay.call(_relay_one, d)  # never delivered
+        assert _C.live_leases([key]) == [key]
+        relay.kill()
+    assert _wait_live([key], []), "the relay's pending delivery pinned the export"
+
+
+def _fork_child(conn, data):
+    import torch_ipc
+
+    out = []
+    for call in (lambda: torch_ipc.dumps(torch.ones(2)), lambda: torch_ipc.loads(data)):
+        try:
+            call()
+            out.append("ok")
+        except RuntimeError as e:
+            out.append(str(e))
+    conn.send(out)
+    conn.close()
+    os._exit(0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_refuses_and_leaves_the_parent_alone():
+    x = torch.randn(8)
+    d = torch_ipc.dumps(x, consumers=2)
+    key = _C.own_lease(d)
+    ctx = mp.get_context("fork")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=_fork_child, args=(b, d))
+    p.start()
+    try:
+        assert a.poll(TIMEOUT)
+        out = a.recv()
+        p.join(TIMEOUT)
+    finally:
+        if p.is_alive():
+            p.kill()
+    assert all("spawn" in msg for msg in out), out
+    assert _C.live_leases([key]) == [key]
+    with Peer(timeout=TIMEOUT) as consumer:  # the parent's export is intact and loadable
+        consumer.call(u.load, "x", d)
+        assert consumer.call(u.held_fingerprint, "x") == u.fingerprint(x)
+    y = torch_ipc.dumps(torch.ones(3))  # and the parent can still export
+    assert torch.equal(torch_ipc.loads(y), torch.ones(3))
