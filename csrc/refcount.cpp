@@ -28,6 +28,11 @@ constexpr size_t kSegmentBytes = sizeof(Slot) * kSlotsPerSegment;
 
 uint64_t holder_word(uint32_t pid, uint32_t count) { return (uint64_t(pid) << 32) | count; }
 uint32_t holder_pid(uint64_t w) { return static_cast<uint32_t>(w >> 32); }
+// A forwarder's pending deliveries live in a word of their own, marked by this
+// bit, so that a consumer moving one to itself never takes the forwarder's own
+// holds (a descriptor loaded more often than it was meant to be).
+constexpr uint32_t kDeliveryBit = 0x80000000u;
+bool holder_alive(uint64_t w) { return pid_alive(holder_pid(w) & ~kDeliveryBit); }
 uint32_t holder_count(uint64_t w) { return static_cast<uint32_t>(w); }
 
 class Leases {
@@ -156,7 +161,7 @@ bool has_living_holder(Slot* s) {
   for (auto& h : s->holders) {
     uint64_t w = h.load();
     if (w == 0) continue;
-    if (pid_alive(holder_pid(w))) {
+    if (holder_alive(w)) {
       living = true;
     } else {
       h.compare_exchange_strong(w, 0);
@@ -204,7 +209,7 @@ LeaseCounts lease_counts(const LeaseRecord& lease) {
     uint64_t w = h.load();
     if (w == 0) continue;
     ++c.holders;
-    if (!pid_alive(holder_pid(w))) ++c.dead_holders;
+    if (!holder_alive(w)) ++c.dead_holders;
   }
   return c;
 }
@@ -235,7 +240,7 @@ void lease_unhold(const LeaseRecord& lease) noexcept {
 
 void lease_add_holds(const LeaseRecord& lease, uint32_t n) {
   Slot* s = Leases::get().slot(lease);
-  uint32_t me = self_process().pid;
+  uint32_t me = self_process().pid | kDeliveryBit;
   if (!add_holder(s, me, n))
     throw std::runtime_error("torch_ipc: more than " + std::to_string(kHoldersPerSlot) +
                              " processes hold this export at once");
@@ -247,14 +252,14 @@ void lease_add_holds(const LeaseRecord& lease, uint32_t n) {
 
 void lease_remove_holds(const LeaseRecord& lease, uint32_t n) noexcept {
   try {
-    remove_holder(Leases::get().slot(lease), self_process().pid, n);
+    remove_holder(Leases::get().slot(lease), self_process().pid | kDeliveryBit, n);
   } catch (...) {
   }
 }
 
 void lease_transfer_hold(const LeaseRecord& lease, uint32_t from_pid) noexcept {
   try {
-    remove_holder(Leases::get().slot(lease), from_pid, 1);
+    remove_holder(Leases::get().slot(lease), from_pid | kDeliveryBit, 1);
   } catch (...) {
   }
 }

@@ -127,3 +127,28 @@ def test_forked_child_refuses_and_leaves_the_parent_alone():
         assert consumer.call(u.held_fingerprint, "x") == u.fingerprint(x)
     y = torch_ipc.dumps(torch.ones(3))  # and the parent can still export
     assert torch.equal(torch_ipc.loads(y), torch.ones(3))
+
+
+def _relay_and_keep(d):
+    """Load, send on, and keep holding our own view."""
+    import torch_ipc
+
+    y = torch_ipc.loads(d)
+    globals()["_kept"] = y
+    return torch_ipc.dumps(y)
+
+
+def test_extra_loads_of_a_forwarded_descriptor_do_not_take_the_relays_own_hold():
+    x = torch.randn(16)
+    d = torch_ipc.dumps(x)
+    key = _C.own_lease(d)
+    with Peer(timeout=TIMEOUT) as relay, Peer(timeout=TIMEOUT) as third:
+        d2 = relay.call(_relay_and_keep, d)
+        third.call(u.load, "a", d2)
+        third.call(u.load, "b", d2)  # one load more than the relay sent it for
+        third.call(u.drop)
+        time.sleep(0.3)
+        torch_ipc.collect()
+        assert _C.live_leases([key]) == [key], "reclaimed while the relay still holds its view"
+        relay.close()
+        assert _wait_live([key], [])
