@@ -6,12 +6,13 @@ per-type reducer would make one descriptor (one lease, one event, one pickle
 frame) per tensor. So :func:`init_reductions` replaces ``ForkingPickler.dumps``
 itself: a message that holds tensors becomes ONE descriptor, wrapped so that
 the receiving side's plain ``pickle.loads`` calls :func:`torch_ipc.loads`.
-Messages without tensors are pickled exactly as before. Per-type reducers are
+Messages without tensors are pickled once, exactly as before (the pickler that
+looks for tensors is a ForkingPickler, so its output is what multiprocessing
+would have sent). Per-type reducers are
 installed too, for code that pickles with a ForkingPickler instance directly.
 """
 
 import contextlib
-import io
 import pickle
 from multiprocessing.reduction import ForkingPickler
 from typing import Iterator
@@ -46,27 +47,12 @@ def _reduce_one(obj):
     return (_rebuild, (_serialize.dumps(obj),))
 
 
-def _has_tensor(obj, depth: int = 0) -> bool:
-    if isinstance(obj, (torch.Tensor, torch.UntypedStorage)):
-        return True
-    if depth > 3:
-        return True  # deep or custom: let the exporter decide
-    if isinstance(obj, dict):
-        return any(_has_tensor(v, depth + 1) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_has_tensor(v, depth + 1) for v in obj)
-    if isinstance(obj, (str, bytes, int, float, bool, type(None))):
-        return False
-    return True
-
-
 def _dumps(cls, obj, protocol=None):
-    if _has_tensor(obj):
-        descriptor = _serialize.dumps(obj)
-        return memoryview(pickle.dumps(_Message(descriptor), pickle.HIGHEST_PROTOCOL))
-    buf = io.BytesIO()
-    cls(buf, protocol).dump(obj)
-    return buf.getbuffer()
+    tensors, parameters, payload = _serialize.split(obj)
+    if not tensors:  # pickled exactly as multiprocessing would, already
+        return _serialize.plain_pickle(payload)
+    descriptor = _serialize.export(tensors, parameters, payload)
+    return memoryview(pickle.dumps(_Message(descriptor), pickle.HIGHEST_PROTOCOL))
 
 
 def init_reductions() -> None:

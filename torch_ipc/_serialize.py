@@ -118,7 +118,11 @@ def dumps(obj: Any, *, consumers: int = 1, isolated: bool = False) -> bytes:
     """
     if consumers < 1:
         raise ValueError("consumers must be at least 1")
-    _runtime.ensure_started()
+    return export(*split(obj), consumers=consumers, isolated=isolated)
+
+
+def split(obj: Any):
+    """(tensors, is_parameter, payload): the tensors in ``obj`` and the rest."""
     tensors, parameters, payload = _flat(obj)
     if payload is None:
         tensors, parameters = [], []
@@ -126,6 +130,17 @@ def dumps(obj: Any, *, consumers: int = 1, isolated: bool = False) -> bytes:
         buf.write(_PICKLED)
         _Pickler(buf, tensors, parameters).dump(obj)
         payload = buf.getvalue()
+    return tensors, parameters, payload
+
+
+def plain_pickle(payload: bytes):
+    """The pickle inside a payload from :func:`split` that found no tensor."""
+    return memoryview(payload)[1:]
+
+
+def export(tensors, parameters, payload: bytes, *, consumers: int = 1, isolated: bool = False) -> bytes:
+    """The descriptor of what :func:`split` returned."""
+    _runtime.ensure_started()
     if isolated:
         from .pool import isolate_tensors
 
