@@ -142,6 +142,21 @@ PYBIND11_MODULE(_C, m) {
       if (l.owner == self_process()) return py::make_tuple(l.segment, l.slot, l.generation);
     return py::none();
   });
+  // Forwarded leases (owner pid, start, segment, slot, generation) of a
+  // descriptor this process made, and giving back one pending delivery each.
+  m.def("forwarded_leases", [](const py::bytes& data) {
+    std::string_view view = data;
+    std::vector<std::tuple<uint32_t, uint64_t, uint32_t, uint32_t, uint64_t>> out;
+    for (const auto& l : peek_leases(view.data(), view.size()))
+      if (l.owner != self_process())
+        out.emplace_back(l.owner.pid, l.owner.start_time, l.segment, l.slot, l.generation);
+    return out;
+  });
+  m.def("give_back_deliveries",
+        [](const std::vector<std::tuple<uint32_t, uint64_t, uint32_t, uint32_t, uint64_t>>& keys) {
+          for (auto& [pid, start, segment, slot, generation] : keys)
+            lease_remove_holds(LeaseRecord{ProcessId{pid, start}, segment, slot, generation}, 1);
+        });
   m.def("revoke_leases", [](const std::vector<std::tuple<uint32_t, uint32_t, uint64_t>>& keys) {
     std::vector<LeaseRecord> leases;
     for (auto& [segment, slot, generation] : keys)

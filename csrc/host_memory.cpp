@@ -26,6 +26,7 @@ struct OwnedHostSegment {
     live->insert(this);
   }
   ~OwnedHostSegment() {
+    if (in_forked_child()) shm->disown();  // the parent's name, Note [fork]
     std::lock_guard<std::mutex> lock(live_mutex);
     live->erase(this);
   }

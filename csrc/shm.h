@@ -24,6 +24,9 @@ class ShmMapping {
   const std::string& name() const { return name_; }
   // Remove the name; existing mappings stay valid. Idempotent.
   void unlink();
+  // Forget the name without removing it (a forked child must not remove its
+  // parent's names, Note [fork]).
+  void disown() { linked_ = false; }
 
  private:
   ShmMapping(std::string name, void* data, size_t size, bool owner)

@@ -22,6 +22,7 @@
 #include "cuda_driver.h"
 #include "errors.h"
 #include "fd_passing.h"
+#include "process.h"
 
 namespace torch_ipc {
 namespace {
@@ -221,6 +222,7 @@ struct PoolAllocation {
   CUdeviceptr va = 0;
   bool created = false, reserved = false, mapped = false;
   ~PoolAllocation() {
+    if (in_forked_child()) return;  // the parent's memory; CUDA is unusable here (Note [fork])
     try {
       ScopedContext scope(device);
       // Note [pool frees synchronize]: cuMemUnmap does not wait for kernels

@@ -152,3 +152,79 @@ def test_extra_loads_of_a_forwarded_descriptor_do_not_take_the_relays_own_hold()
         assert _C.live_leases([key]) == [key], "reclaimed while the relay still holds its view"
         relay.close()
         assert _wait_live([key], [])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_dropping_a_shared_tensor_keeps_the_parents_segment():
+    x = torch.arange(1000.0)
+    d = torch_ipc.dumps(x)
+    key = _C.own_lease(d)
+    with Peer(timeout=TIMEOUT) as consumer:
+        consumer.call(u.load, "x", d)
+        consumer.call(u.drop, "x")
+        assert _wait_live([key], [])
+        segments = [n for n in u.shm_files_of(os.getpid()) if ".H" in n]
+        assert segments, "x lives in a shared memory segment of ours"
+        pid = os.fork()
+        if pid == 0:  # the child drops its copy of x and exits
+            try:
+                del x
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert set(segments) <= set(u.shm_files_of(os.getpid())), "the child removed our segment"
+        consumer.call(u.load, "x", torch_ipc.dumps(x))  # shared again, same segment
+        assert consumer.call(u.held_fingerprint, "x") == u.fingerprint(x)
+
+
+def _listen_and_hang_up(path, authkey):
+    import torch_ipc
+
+    with torch_ipc.listen(path, authkey=authkey) as listener:
+        conn = listener.accept()
+        assert conn.recv() == "next comes a tensor"
+        conn.close()  # without loading it
+    return True
+
+
+def _relay_over_connection(d, path, authkey):
+    import torch_ipc
+
+    y = torch_ipc.loads(d)
+    conn = torch_ipc.connect(path, authkey=authkey)
+    conn.send("next comes a tensor")
+    conn.send(y)
+    del y
+    globals()["_conn"] = conn  # keep our end open: the peer hangs up
+    return True
+
+
+def test_relay_gives_back_a_delivery_its_peer_never_loaded(tmp_path):
+    x = torch.randn(64)
+    d = torch_ipc.dumps(x)
+    key = _C.own_lease(d)
+    path, authkey = str(tmp_path / "sock"), os.urandom(16)
+    with Peer(timeout=TIMEOUT) as relay, Peer(timeout=TIMEOUT) as hangs_up:
+        hangs_up.start_call(_listen_and_hang_up, path, authkey)
+        deadline = time.monotonic() + TIMEOUT
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert relay.call(_relay_over_connection, d, path, authkey)
+        assert hangs_up.result(TIMEOUT)
+        # the relay lives on and keeps its end open; its collector sees the
+        # peer's end closed and gives the undelivered tensor back
+        assert _wait_live([key], []), "the relay kept a delivery nobody will load"
+
+
+def test_a_connection_over_a_pipe_does_not_break_the_checks():
+    from multiprocessing import Pipe
+
+    from torch_ipc.connection import Connection, _check_peers
+
+    a, b = Pipe(duplex=False)
+    conn = Connection(a, os.getpid())
+    conn._sent.append((0, 0, 2**63))  # as if something had been sent on it (no live export has it)
+    _check_peers()  # must not raise
+    assert conn._peer_closed() is False
+    conn.close()
+    b.close()

@@ -18,6 +18,7 @@ from . import _C
 _lock = threading.Lock()
 _started = False
 _stop = threading.Event()
+_pid = -1  # the process that started the collector
 
 
 def _interval() -> float:
@@ -47,11 +48,15 @@ def ensure_started() -> None:
         if _started:
             return
         threading.Thread(target=_loop, args=(_interval(),), name="torch_ipc-collector", daemon=True).start()
+        global _pid
+        _pid = os.getpid()
         atexit.register(_at_exit)
         _started = True
 
 
 def _at_exit() -> None:
+    if os.getpid() != _pid:  # a forked child: what it sees is its parent's (Note [fork])
+        return
     _stop.set()
     try:
         _C.collect(False)

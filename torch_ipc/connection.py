@@ -32,7 +32,7 @@ Address = Union[str, tuple]
 # still sit unread in the socket, and `send(); close()` is a normal pattern.
 # Their keys wait in _orphans until the peer exits.
 _open_connections: "weakref.WeakSet[Connection]" = weakref.WeakSet()
-_orphans: List[Tuple[int, list]] = []  # (peer pid, lease keys) of closed connections
+_orphans: List[Tuple[int, list, list]] = []  # (peer pid, own lease keys, forwarded leases)
 _open_lock = threading.RLock()  # RLock: Connection.__del__ may run inside a locked region
 
 
@@ -49,13 +49,30 @@ def _pid_alive(pid: int) -> bool:
 def _check_peers() -> None:
     with _open_lock:
         conns = list(_open_connections)
-        orphans = [o for o in _orphans if not _pid_alive(o[0])]
-        _orphans[:] = [o for o in _orphans if _pid_alive(o[0])]
-    for _, keys in orphans:
+        merged = {}  # one entry per living peer, only keys of exports still live
+        orphans = []
+        for pid, keys, forwarded in _orphans:
+            if not _pid_alive(pid):
+                orphans.append((pid, keys, forwarded))
+                continue
+            own, fwd = merged.setdefault(pid, ([], []))
+            own.extend(keys)
+            fwd.extend(forwarded)
+        _orphans[:] = [
+            (pid, live, fwd)
+            for pid, (own, fwd) in merged.items()
+            for live in [_C.live_leases(own) if own else []]
+            if live or fwd
+        ]
+    for _, keys, forwarded in orphans:
         _C.revoke_leases(keys)
+        _C.give_back_deliveries(forwarded)
     for c in conns:
-        if not c._peer_alive() or c._peer_closed():
-            c._revoke_sent()
+        try:
+            if not c._peer_alive() or c._peer_closed():
+                c._revoke_sent()
+        except Exception:  # one bad connection must not stop the others' checks
+            pass
 
 
 class Connection:
@@ -65,6 +82,7 @@ class Connection:
         self._conn = conn
         self.peer_pid = peer_pid
         self._sent = []  # lease keys of our exports sent on this connection
+        self._forwarded = []  # owners' leases of tensors we passed on (Note [forwarding])
         with _open_lock:
             _open_connections.add(self)
 
@@ -76,6 +94,7 @@ class Connection:
             self._sent.append(key)
             if len(self._sent) > 4096:
                 self._sent = _C.live_leases(self._sent)
+        self._forwarded.extend(_C.forwarded_leases(data))
         self._conn.send_bytes(data)
 
     def recv(self) -> Any:
@@ -97,9 +116,12 @@ class Connection:
 
     def _peer_closed(self) -> bool:
         """True when the peer closed its end (end of file is next to read)."""
-        if self._conn.closed or not self._sent:
+        if self._conn.closed or not (self._sent or self._forwarded):
             return False
-        sock = socket.socket(fileno=self._conn.fileno())
+        try:
+            sock = socket.socket(fileno=self._conn.fileno())
+        except OSError:  # not a socket (a pipe): only the peer's exit tells
+            return False
         try:
             return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except (BlockingIOError, InterruptedError):
@@ -111,17 +133,21 @@ class Connection:
 
     def _revoke_sent(self) -> None:
         sent, self._sent = self._sent, []
+        forwarded, self._forwarded = self._forwarded, []
         if sent:
             _C.revoke_leases(sent)
+        if forwarded:
+            _C.give_back_deliveries(forwarded)
 
     def close(self) -> None:
         """Close our end. Idempotent. What the peer has not loaded yet stays
         loadable while the peer lives (it may still read it from the socket)
         and is given back when it exits."""
         with _open_lock:
-            sent, self._sent = self._sent, []
-            if sent:
-                _orphans.append((self.peer_pid, sent))
+            sent, self._sent = _C.live_leases(self._sent) if self._sent else [], []
+            forwarded, self._forwarded = self._forwarded, []
+            if sent or forwarded:
+                _orphans.append((self.peer_pid, sent, forwarded))
             _open_connections.discard(self)
         self._conn.close()
 
