@@ -155,7 +155,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("give_back_deliveries",
         [](const std::vector<std::tuple<uint32_t, uint64_t, uint32_t, uint32_t, uint64_t>>& keys) {
           for (auto& [pid, start, segment, slot, generation] : keys)
-            lease_remove_holds(LeaseRecord{ProcessId{pid, start}, segment, slot, generation}, 1);
+            lease_remove_deliveries(LeaseRecord{ProcessId{pid, start}, segment, slot, generation},
+                                    self_process().pid, 1);
         });
   m.def("revoke_leases", [](const std::vector<std::tuple<uint32_t, uint32_t, uint64_t>>& keys) {
     std::vector<LeaseRecord> leases;

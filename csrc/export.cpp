@@ -87,7 +87,7 @@ FullLeaseKey full_key_of(const LeaseRecord& l) {
 // keeps one extra hold in the owner's slot per consumer it sent to (its
 // holder word, so it vanishes if the forwarder dies before delivery); the
 // consumer takes its own hold first and then removes one of those extras
-// (lease_transfer_hold). The owner's token revocation never touches them.
+// (lease_remove_deliveries). The owner's token revocation never touches them.
 
 struct Producer {
   std::mutex mu;
@@ -318,7 +318,7 @@ std::string export_tensors(const std::vector<at::Tensor>& tensors,
   std::vector<LeaseRecord> held_for_consumers;
   try {
     for (auto& [key, lease] : forwarded) {
-      lease_add_holds(lease, consumers);
+      lease_add_deliveries(lease, consumers);
       held_for_consumers.push_back(lease);
       lease_index[key] = static_cast<uint16_t>(d.leases.size());
       d.leases.push_back(lease);
@@ -331,7 +331,7 @@ std::string export_tensors(const std::vector<at::Tensor>& tensors,
     return bytes;
   } catch (...) {
     if (any_own) lease_abandon(record->lease);
-    for (const auto& lease : held_for_consumers) lease_remove_holds(lease, consumers);
+    for (const auto& lease : held_for_consumers) lease_remove_deliveries(lease, self_process().pid, consumers);
     throw;
   }
 }

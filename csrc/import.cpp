@@ -315,14 +315,14 @@ ImportResult import_tensors(const std::string& data) {
     if (l.owner == self_process()) {
       // Our own export: the storages themselves keep it; just check it lives.
       lease_take_token(l, /*take=*/!forwarded);
-      if (forwarded) lease_transfer_hold(l, d.producer.pid);
+      if (forwarded) lease_remove_deliveries(l, d.producer.pid, 1);
       continue;
     }
     if (forwarded && !process_alive(l.owner))
       throw ProducerGone("torch_ipc: the process that owns this memory (pid " +
                          std::to_string(l.owner.pid) + ") has exited");
     lease_hold(l, /*take_token=*/!forwarded);
-    if (forwarded) lease_transfer_hold(l, d.producer.pid);
+    if (forwarded) lease_remove_deliveries(l, d.producer.pid, 1);
     ++c.holds;
     holds[i] = std::make_shared<Hold>();
     holds[i]->lease = l;
@@ -423,22 +423,26 @@ void collect_imports(bool close_idle) {
   };
   int64_t now = now_ns();
   std::vector<std::pair<int64_t, std::map<std::pair<uint8_t, Handle64>, std::shared_ptr<Mapping>>::iterator>> idle;
-  for (auto it = c.mappings.begin(); it != c.mappings.end(); ++it) {
+  for (auto it = c.mappings.begin(); it != c.mappings.end();) {
     Mapping& m = *it->second;
     if (it->second.use_count() > 1) {
       m.idle_since_ns = 0;
-      continue;
+      ++it;
+    } else if (m.kind != AllocKind::CudaIpc) {
+      // Host and VMM memory: an idle mapping would keep physical memory that its
+      // producer freed (host mapping again costs microseconds). Closed at once,
+      // and not counted against TORCH_IPC_IDLE_MAPPINGS, which bounds legacy ones.
+      closing.push_back(std::move(it->second));
+      it = c.mappings.erase(it);
+    } else {
+      if (m.idle_since_ns == 0) m.idle_since_ns = now;
+      idle.emplace_back(m.idle_since_ns, it++);
     }
-    if (m.idle_since_ns == 0) m.idle_since_ns = now;
-    idle.emplace_back(m.idle_since_ns, it);
   }
   std::sort(idle.begin(), idle.end(), [](auto& a, auto& b) { return a.first < b.first; });
   int64_t over = static_cast<int64_t>(idle.size()) - c.max_idle;
   for (auto& [since, it] : idle) {
-    // Host and VMM memory: an idle mapping would keep physical memory that its
-    // producer freed (host mapping again costs microseconds). Closed at once.
-    bool close = close_idle || it->second->kind != AllocKind::CudaIpc || over-- > 0 ||
-                 now - since > c.idle_ns ||
+    bool close = close_idle || over-- > 0 || now - since > c.idle_ns ||
                  !producer_alive(it->second->producer);
     if (close) {
       closing.push_back(std::move(it->second));

@@ -18,17 +18,25 @@
 namespace torch_ipc {
 namespace {
 
-// Field 22 of /proc/<pid>/stat; 0 when the process does not exist.
-uint64_t start_time_of(uint32_t pid) {
+// /proc/<pid>/stat from field 3 (the state) on; empty when there is no such
+// process. The command name (field 2) may hold spaces and parentheses, so the
+// fields start after the last ')'.
+std::string stat_fields(uint32_t pid) {
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%u/stat", pid);
   std::ifstream f(path);
   std::string line;
-  if (!f || !std::getline(f, line)) return 0;
-  // The command name (field 2) may hold spaces and parentheses: skip to the last ')'.
+  if (!f || !std::getline(f, line)) return {};
   size_t close = line.rfind(')');
-  if (close == std::string::npos) return 0;
-  const char* p = line.c_str() + close + 2;  // field 3
+  if (close == std::string::npos || close + 2 >= line.size()) return {};
+  return line.substr(close + 2);
+}
+
+// Field 22 of /proc/<pid>/stat; 0 when the process does not exist.
+uint64_t start_time_of(uint32_t pid) {
+  std::string fields = stat_fields(pid);
+  if (fields.empty()) return 0;
+  const char* p = fields.c_str();  // field 3
   for (int field = 3; field < 22 && *p; ++field) {
     p = std::strchr(p, ' ');
     if (p == nullptr) return 0;
@@ -76,13 +84,8 @@ const Uuid& boot_id() {
 bool pid_alive(uint32_t pid) {
   if (pid == 0 || (kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM)) return false;
   // A killed process that its parent has not reaped yet is a zombie: dead to us.
-  char path[64];
-  std::snprintf(path, sizeof(path), "/proc/%u/stat", pid);
-  std::ifstream f(path);
-  std::string line;
-  if (!f || !std::getline(f, line)) return true;
-  size_t close = line.rfind(')');
-  return close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'Z';
+  std::string fields = stat_fields(pid);
+  return fields.empty() || fields[0] != 'Z';
 }
 
 // Note [liveness through pidfd]

@@ -177,6 +177,25 @@ bool has_living_holder(Slot* s) {
                  "Pass consumers=N to dumps() to share one descriptor with N loads.");
 }
 
+// Register n holds under `holder` (a pid, or a forwarder's delivery word),
+// then check the export still lives: the consumer's half of Note [leases].
+void hold_as(Slot* s, const LeaseRecord& lease, uint32_t holder, uint32_t n) {
+  if (!add_holder(s, holder, n))
+    throw std::runtime_error("torch_ipc: more than " + std::to_string(kHoldersPerSlot) +
+                             " processes hold this export at once");
+  if (s->generation.load() != lease.generation) {
+    remove_holder(s, holder, n);
+    throw_released(lease);
+  }
+}
+
+// One of the loads the producer expects has happened (none left: an extra load).
+void take_one_token(Slot* s) {
+  uint32_t t = s->tokens.load();
+  while (t > 0 && !s->tokens.compare_exchange_weak(t, t - 1)) {
+  }
+}
+
 }  // namespace
 
 LeaseRecord lease_acquire(uint32_t tokens) { return Leases::get().acquire(tokens); }
@@ -216,18 +235,8 @@ LeaseCounts lease_counts(const LeaseRecord& lease) {
 
 void lease_hold(const LeaseRecord& lease, bool take_token) {
   Slot* s = Leases::get().slot(lease);
-  uint32_t me = self_process().pid;
-  if (!add_holder(s, me))
-    throw std::runtime_error("torch_ipc: more than " + std::to_string(kHoldersPerSlot) +
-                             " processes hold this export at once");
-  if (s->generation.load() != lease.generation) {
-    remove_holder(s, me);
-    throw_released(lease);
-  }
-  if (!take_token) return;
-  uint32_t t = s->tokens.load();
-  while (t > 0 && !s->tokens.compare_exchange_weak(t, t - 1)) {
-  }
+  hold_as(s, lease, self_process().pid, 1);
+  if (take_token) take_one_token(s);
 }
 
 void lease_unhold(const LeaseRecord& lease) noexcept {
@@ -238,28 +247,13 @@ void lease_unhold(const LeaseRecord& lease) noexcept {
   }
 }
 
-void lease_add_holds(const LeaseRecord& lease, uint32_t n) {
-  Slot* s = Leases::get().slot(lease);
-  uint32_t me = self_process().pid | kDeliveryBit;
-  if (!add_holder(s, me, n))
-    throw std::runtime_error("torch_ipc: more than " + std::to_string(kHoldersPerSlot) +
-                             " processes hold this export at once");
-  if (s->generation.load() != lease.generation) {
-    remove_holder(s, me, n);
-    throw_released(lease);
-  }
+void lease_add_deliveries(const LeaseRecord& lease, uint32_t n) {
+  hold_as(Leases::get().slot(lease), lease, self_process().pid | kDeliveryBit, n);
 }
 
-void lease_remove_holds(const LeaseRecord& lease, uint32_t n) noexcept {
+void lease_remove_deliveries(const LeaseRecord& lease, uint32_t forwarder_pid, uint32_t n) noexcept {
   try {
-    remove_holder(Leases::get().slot(lease), self_process().pid | kDeliveryBit, n);
-  } catch (...) {
-  }
-}
-
-void lease_transfer_hold(const LeaseRecord& lease, uint32_t from_pid) noexcept {
-  try {
-    remove_holder(Leases::get().slot(lease), from_pid | kDeliveryBit, 1);
+    remove_holder(Leases::get().slot(lease), forwarder_pid | kDeliveryBit, n);
   } catch (...) {
   }
 }
@@ -277,10 +271,7 @@ void lease_abandon(const LeaseRecord& lease) noexcept {
 void lease_take_token(const LeaseRecord& lease, bool take) {
   Slot* s = Leases::get().slot(lease);
   if (s->generation.load() != lease.generation) throw_released(lease);
-  if (!take) return;
-  uint32_t t = s->tokens.load();
-  while (t > 0 && !s->tokens.compare_exchange_weak(t, t - 1)) {
-  }
+  if (take) take_one_token(s);
 }
 
 void lease_unlink_own_segments() { Leases::get().unlink_own(); }

@@ -46,11 +46,12 @@ void lease_abandon(const LeaseRecord& lease) noexcept;
 // forwarded descriptor takes no token (Note [forwarding] in export.cpp).
 void lease_hold(const LeaseRecord& lease, bool take_token);
 void lease_unhold(const LeaseRecord& lease) noexcept;
-// Forwarding: the forwarder holds n more for the consumers it sends to, each
-// of which moves one of those holds to itself once it holds on its own.
-void lease_add_holds(const LeaseRecord& lease, uint32_t n);
-void lease_remove_holds(const LeaseRecord& lease, uint32_t n) noexcept;
-void lease_transfer_hold(const LeaseRecord& lease, uint32_t from_pid) noexcept;
+// Forwarding: the forwarder holds n pending deliveries for the consumers it
+// sends to; each consumer, once it holds on its own, removes one of them
+// (forwarder_pid: the descriptor's producer), and the forwarder removes those
+// nobody will load (itself).
+void lease_add_deliveries(const LeaseRecord& lease, uint32_t n);
+void lease_remove_deliveries(const LeaseRecord& lease, uint32_t forwarder_pid, uint32_t n) noexcept;
 // A load in the owner process itself: check the export lives and take one
 // token (if `take` and one is left), without holding.
 void lease_take_token(const LeaseRecord& lease, bool take = true);
