@@ -101,6 +101,22 @@ py::dict stats() {
   out["events_open"] = i.events_open;
   out["lease_segments"] = lease_segment_count();
   out["host_segments"] = host_segment_count();
+  VmmStats v = vmm_stats();
+  out["vmm_export_groups"] = v.export_groups;
+  out["vmm_exported_chunks"] = v.exported_chunks;
+  out["vmm_exported_bytes"] = v.exported_bytes;
+  out["vmm_pool_allocations"] = v.pool_allocations;
+  out["vmm_pool_bytes"] = v.pool_bytes;
+  out["vmm_mappings"] = v.mappings;
+  out["vmm_mapped_bytes"] = v.mapped_bytes;
+  FdStats f = fd_stats();
+  out["fd_published"] = f.published;
+  out["fd_served"] = f.served;
+  out["fd_refused"] = f.refused;
+  out["fd_via_socket"] = f.via_socket;
+  out["fd_via_pidfd"] = f.via_pidfd;
+  out["fd_pidfd_refused"] = f.pidfd_refused;
+  out["fd_server_running"] = f.server_running;
   return out;
 }
 
@@ -134,24 +150,23 @@ PYBIND11_MODULE(_C, m) {
         return reclaimed;
       },
       py::arg("close_idle") = false);
-  // Lease keys (segment, slot, generation) of this process's exports, for
-  // connections that give back what their peer never loaded.
-  m.def("own_lease", [](const py::bytes& data) -> py::object {
+  // What a descriptor this process made asks of leases, for connections that
+  // give back what their peer never loaded: the key (segment, slot,
+  // generation) of our own export or None, and the forwarded owners' leases
+  // (pid, start, segment, slot, generation).
+  m.def("sent_leases", [](const py::bytes& data) {
     std::string_view view = data;
-    for (const auto& l : peek_leases(view.data(), view.size()))
-      if (l.owner == self_process()) return py::make_tuple(l.segment, l.slot, l.generation);
-    return py::none();
+    py::object own = py::none();
+    std::vector<std::tuple<uint32_t, uint64_t, uint32_t, uint32_t, uint64_t>> forwarded;
+    for (const auto& l : peek_leases(view.data(), view.size())) {
+      if (l.owner == self_process())
+        own = py::make_tuple(l.segment, l.slot, l.generation);
+      else
+        forwarded.emplace_back(l.owner.pid, l.owner.start_time, l.segment, l.slot, l.generation);
+    }
+    return py::make_tuple(own, forwarded);
   });
-  // Forwarded leases (owner pid, start, segment, slot, generation) of a
-  // descriptor this process made, and giving back one pending delivery each.
-  m.def("forwarded_leases", [](const py::bytes& data) {
-    std::string_view view = data;
-    std::vector<std::tuple<uint32_t, uint64_t, uint32_t, uint32_t, uint64_t>> out;
-    for (const auto& l : peek_leases(view.data(), view.size()))
-      if (l.owner != self_process())
-        out.emplace_back(l.owner.pid, l.owner.start_time, l.segment, l.slot, l.generation);
-    return out;
-  });
+  // Give back one pending delivery per forwarded lease (Note [forwarding]).
   m.def("give_back_deliveries",
         [](const std::vector<std::tuple<uint32_t, uint64_t, uint32_t, uint32_t, uint64_t>>& keys) {
           for (auto& [pid, start, segment, slot, generation] : keys)
@@ -207,26 +222,6 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("vmm_mapping_view", &vmm_mapping_view, py::arg("tensor"));
   m.def("vmm_collect", &vmm_collect);
-  m.def("vmm_stats", [] {
-    VmmStats v = vmm_stats();
-    FdStats f = fd_stats();
-    py::dict out;
-    out["vmm_export_groups"] = v.export_groups;
-    out["vmm_exported_chunks"] = v.exported_chunks;
-    out["vmm_exported_bytes"] = v.exported_bytes;
-    out["vmm_pool_allocations"] = v.pool_allocations;
-    out["vmm_pool_bytes"] = v.pool_bytes;
-    out["vmm_mappings"] = v.mappings;
-    out["vmm_mapped_bytes"] = v.mapped_bytes;
-    out["fd_published"] = f.published;
-    out["fd_served"] = f.served;
-    out["fd_refused"] = f.refused;
-    out["fd_via_socket"] = f.via_socket;
-    out["fd_via_pidfd"] = f.via_pidfd;
-    out["fd_pidfd_refused"] = f.pidfd_refused;
-    out["fd_server_running"] = f.server_running;
-    return out;
-  });
   // fd passing primitives, for tests: publish fds of this process, fetch another's.
   m.def("_fd_self", [] { return py::make_tuple(self_process().pid, self_process().start_time); });
   m.def("_fd_socket_name", [](uint32_t pid, uint64_t start_time) {

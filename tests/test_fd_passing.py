@@ -40,7 +40,7 @@ def _fd_count():
 
 
 def _stats():
-    return dict(_C.vmm_stats())
+    return dict(_C.stats())
 
 
 def _who():
@@ -64,7 +64,7 @@ def _fetch(owner, ident, remote_fds=(), mode=""):
 
 def _fetch_with_stats(owner, ident, remote_fds=(), mode=""):
     data = _fetch(owner, ident, remote_fds, mode)
-    return data, dict(_C.vmm_stats())
+    return data, dict(_C.stats())
 
 
 def _impostor(name):
@@ -98,9 +98,9 @@ def producer():
 
 def test_socket_passes_fd_and_bytes_arrive(producer):
     pid, start, ident, _ = producer.call(_publish, [b"hello over SCM_RIGHTS"])
-    before = dict(_C.vmm_stats())["fd_via_socket"]
+    before = dict(_C.stats())["fd_via_socket"]
     assert _fetch((pid, start), ident, mode="socket") == [(b"hello over SCM_RIGHTS", 21)]
-    assert dict(_C.vmm_stats())["fd_via_socket"] == before + 1
+    assert dict(_C.stats())["fd_via_socket"] == before + 1
     assert producer.call(_stats)["fd_served"] == 1
 
 
@@ -123,15 +123,15 @@ def test_pidfd_pull_or_clear_refusal(producer):
 
 def test_auto_uses_what_works(producer):
     pid, start, ident, fds = producer.call(_publish, [b"auto"])
-    before = dict(_C.vmm_stats())
+    before = dict(_C.stats())
     assert _fetch((pid, start), ident, fds, mode="auto")[0][0] == b"auto"
-    after = dict(_C.vmm_stats())
+    after = dict(_C.stats())
     assert (after["fd_via_pidfd"] - before["fd_via_pidfd"]) + (
         after["fd_via_socket"] - before["fd_via_socket"]
     ) == 1
     # Without fd numbers, auto can only ask the socket.
     assert _fetch((pid, start), ident, (), mode="auto")[0][0] == b"auto"
-    assert dict(_C.vmm_stats())["fd_via_socket"] == after["fd_via_socket"] + 1
+    assert dict(_C.stats())["fd_via_socket"] == after["fd_via_socket"] + 1
 
 
 def test_env_forces_the_socket(producer):

@@ -49,7 +49,7 @@ def _wait_live(keys, want, timeout=10.0):
 def test_relayed_tensors_from_one_allocation_keep_both_leases():
     x = torch.arange(8.0)
     d1, d2 = torch_ipc.dumps(x[:4]), torch_ipc.dumps(x[4:])  # two exports, one allocation
-    keys = [_C.own_lease(d1), _C.own_lease(d2)]
+    keys = [_C.sent_leases(d1)[0], _C.sent_leases(d2)[0]]
     with Peer(timeout=TIMEOUT) as relay, Peer(timeout=TIMEOUT) as third:
         d3 = relay.call(_relay, d1, d2)
         info = _C.describe(d3)
@@ -66,7 +66,7 @@ def test_relayed_tensors_from_one_allocation_keep_both_leases():
 def test_owner_revoking_its_tokens_keeps_a_forwarded_delivery():
     x = torch.randn(16)
     d = torch_ipc.dumps(x)
-    key = _C.own_lease(d)
+    key = _C.sent_leases(d)[0]
     with Peer(timeout=TIMEOUT) as relay, Peer(timeout=TIMEOUT) as third:
         d2 = relay.call(_relay_one, d)  # the relay loaded (took the token) and dropped
         _C.revoke_leases([key])  # as a closing connection to the relay would
@@ -81,7 +81,7 @@ def test_owner_revoking_its_tokens_keeps_a_forwarded_delivery():
 def test_forwarded_delivery_is_given_back_if_the_relay_dies_first():
     x = torch.randn(16)
     d = torch_ipc.dumps(x)
-    key = _C.own_lease(d)
+    key = _C.sent_leases(d)[0]
     with Peer(timeout=TIMEOUT) as relay:
         relay.call(_relay_one, d)  # never delivered
         assert _C.live_leases([key]) == [key]
@@ -108,7 +108,7 @@ def _fork_child(conn, data):
 def test_forked_child_refuses_and_leaves_the_parent_alone():
     x = torch.randn(8)
     d = torch_ipc.dumps(x, consumers=2)
-    key = _C.own_lease(d)
+    key = _C.sent_leases(d)[0]
     ctx = mp.get_context("fork")
     a, b = ctx.Pipe()
     p = ctx.Process(target=_fork_child, args=(b, d))
@@ -141,7 +141,7 @@ def _relay_and_keep(d):
 def test_extra_loads_of_a_forwarded_descriptor_do_not_take_the_relays_own_hold():
     x = torch.randn(16)
     d = torch_ipc.dumps(x)
-    key = _C.own_lease(d)
+    key = _C.sent_leases(d)[0]
     with Peer(timeout=TIMEOUT) as relay, Peer(timeout=TIMEOUT) as third:
         d2 = relay.call(_relay_and_keep, d)
         third.call(u.load, "a", d2)
@@ -158,7 +158,7 @@ def test_extra_loads_of_a_forwarded_descriptor_do_not_take_the_relays_own_hold()
 def test_forked_child_dropping_a_shared_tensor_keeps_the_parents_segment():
     x = torch.arange(1000.0)
     d = torch_ipc.dumps(x)
-    key = _C.own_lease(d)
+    key = _C.sent_leases(d)[0]
     with Peer(timeout=TIMEOUT) as consumer:
         consumer.call(u.load, "x", d)
         consumer.call(u.drop, "x")
@@ -202,7 +202,7 @@ def _relay_over_connection(d, path, authkey):
 def test_relay_gives_back_a_delivery_its_peer_never_loaded(tmp_path):
     x = torch.randn(64)
     d = torch_ipc.dumps(x)
-    key = _C.own_lease(d)
+    key = _C.sent_leases(d)[0]
     path, authkey = str(tmp_path / "sock"), os.urandom(16)
     with Peer(timeout=TIMEOUT) as relay, Peer(timeout=TIMEOUT) as hangs_up:
         hangs_up.start_call(_listen_and_hang_up, path, authkey)

@@ -59,7 +59,7 @@ def _load(data):
     y = torch_ipc.loads(data)
     torch.cuda.synchronize()
     _STATE["y"] = y
-    return y.cpu(), dict(_C.vmm_stats())
+    return y.cpu(), dict(_C.stats())
 
 
 def _consumer_values():
@@ -115,7 +115,7 @@ def _resources():
     with open("/proc/self/maps") as f:
         maps = sum(1 for _ in f)
     free, _ = torch.cuda.mem_get_info()
-    return len(os.listdir("/proc/self/fd")), maps, free, dict(_C.vmm_stats()), dict(torch_ipc.stats())
+    return len(os.listdir("/proc/self/fd")), maps, free, dict(_C.stats()), dict(torch_ipc.stats())
 
 
 def _cycle_produce(i):
@@ -134,19 +134,19 @@ def _cycle_consume(data, i):
 
 def _same_process_pool():
     pool = torch_ipc.SharedPool()
-    before = _C.vmm_stats()["vmm_pool_allocations"]
+    before = _C.stats()["vmm_pool_allocations"]
     x = pool.empty((3, 5), torch.float16)
     assert x.shape == (3, 5) and x.dtype == torch.float16 and x.is_cuda and x.is_contiguous()
     assert torch_ipc.pool.is_pool_tensor(x) and not torch_ipc.pool.is_pool_tensor(torch.ones(2, device="cuda"))
     x.fill_(2.5)
     y = torch_ipc.loads(torch_ipc.dumps(x))
     assert y.data_ptr() == x.data_ptr() and bool((y == 2.5).all())
-    assert _C.vmm_stats()["vmm_pool_allocations"] == before + 1
+    assert _C.stats()["vmm_pool_allocations"] == before + 1
     del x, y
     torch_ipc.collect()
     time.sleep(0.2)
     torch_ipc.collect()
-    return _C.vmm_stats()["vmm_pool_allocations"] == before
+    return _C.stats()["vmm_pool_allocations"] == before
 
 
 def _checksum(data):

@@ -92,9 +92,7 @@ def stats() -> dict:
     """
     from . import _C
 
-    out = dict(_C.stats())
-    out.update(_C.vmm_stats())
-    return out
+    return dict(_C.stats())
 
 
 def collect(close_idle: bool = False) -> int:

@@ -89,12 +89,12 @@ class Connection:
     def send(self, obj: Any) -> None:
         """Export ``obj`` (tensors zero-copy) and send it as one message."""
         data = _serialize.dumps(obj)
-        key = _C.own_lease(data)
+        key, forwarded = _C.sent_leases(data)
         if key is not None:
             self._sent.append(key)
             if len(self._sent) > 4096:
                 self._sent = _C.live_leases(self._sent)
-        self._forwarded.extend(_C.forwarded_leases(data))
+        self._forwarded.extend(forwarded)
         self._conn.send_bytes(data)
 
     def recv(self) -> Any:
