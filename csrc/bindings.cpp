@@ -78,6 +78,7 @@ py::dict describe(const py::bytes& data) {
     r["kind"] = static_cast<int>(a.kind);
     r["size"] = a.size;
     r["lease"] = a.lease;
+    r["handle"] = py::bytes(reinterpret_cast<const char*>(a.handle.data()), a.handle.size());
     allocs.append(r);
   }
   out["allocs"] = allocs;

@@ -3,9 +3,12 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "cuda_context.h"
 #include "cuda_driver.h"
@@ -104,7 +107,17 @@ Producer& producer() {
 
 bool is_cuda(AllocKind k) { return k != AllocKind::CpuShm; }
 
-StorageLocation locate_cuda(const c10::Storage& storage, int device) {
+StorageLocation vmm_location(const VmmLocation& v, int device) {
+  StorageLocation loc{AllocKind::CudaVmm, device};
+  loc.handle = v.handle;
+  loc.base_size = v.size;
+  loc.offset = v.offset;
+  return loc;
+}
+
+// The legacy IPC location of a storage in a cudaMalloc segment; nullopt when
+// its memory is not legacy-IPC capable (cuMemCreate memory: the VMM path).
+std::optional<StorageLocation> locate_legacy(const c10::Storage& storage, int device) {
   Producer& p = producer();
   const void* data = storage.data();
   CUdeviceptr start = 0;
@@ -116,15 +129,7 @@ StorageLocation locate_cuda(const c10::Storage& storage, int device) {
                                  CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE};
   void* values[] = {&start, &range, &buffer_id, &legacy_ipc};
   TORCH_IPC_CU(cuPointerGetAttributes, 4, attrs, values, reinterpret_cast<CUdeviceptr>(data));
-  if (!legacy_ipc) {
-    // cuMemCreate memory (expandable segments, SharedPool): the VMM path.
-    VmmLocation v = locate_vmm(storage, device);
-    StorageLocation loc{AllocKind::CudaVmm, device};
-    loc.handle = v.handle;
-    loc.base_size = v.size;
-    loc.offset = v.offset;
-    return loc;
-  }
+  if (!legacy_ipc) return std::nullopt;
   StorageLocation loc{AllocKind::CudaIpc, device};
   auto it = p.buffer_cache.find(buffer_id);
   if (it == p.buffer_cache.end()) {
@@ -152,28 +157,74 @@ StorageLocation locate_host(const c10::Storage& storage) {
   return loc;
 }
 
-// Own storages: where they live, through the weak cache.
-StorageLocation locate_own(const c10::Storage& storage) {
+const StorageLocation* cached_location(const c10::Storage& storage) {
   Producer& p = producer();
   const c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
   auto it = p.storage_cache.find(impl);
-  if (it != p.storage_cache.end()) {
-    auto alive = it->second.weak.lock();
-    if (alive.get() == impl && it->second.data == storage.data()) return it->second.location;
+  if (it == p.storage_cache.end()) return nullptr;
+  auto alive = it->second.weak.lock();
+  if (alive.get() != impl || it->second.data != storage.data()) return nullptr;
+  return &it->second.location;
+}
+
+void cache_location(const c10::Storage& storage, const StorageLocation& loc) {
+  const c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  c10::intrusive_ptr<c10::StorageImpl> strong =
+      c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(const_cast<c10::StorageImpl*>(impl));
+  producer().storage_cache.insert_or_assign(
+      impl, CachedStorage{c10::weak_intrusive_ptr<c10::StorageImpl>(strong), storage.data(), loc});
+}
+
+bool is_imported(const c10::Storage& storage) {
+  return storage.data_ptr().get_deleter() == &delete_imported_storage;
+}
+
+// Note [VMM runs per message]
+// Storages of one message that live in VMM memory are located together, so
+// that the chunks they touch form as few runs as possible (Note [VMM handle
+// field]): a state_dict in torch's expandable segments is then one run of
+// back-to-back chunks, which a consumer fetches in one request and maps into
+// one range, instead of one fetch, reservation and mapping per tensor. So
+// before the descriptor is built, every own CUDA storage of the message that
+// the cache does not know yet is located here; the loop then finds them all
+// in the cache.
+void locate_new_cuda_storages(const std::vector<at::Tensor>& tensors) {
+  std::map<int, std::vector<c10::Storage>> vmm;  // by device
+  std::unordered_set<const c10::StorageImpl*> seen;
+  for (const at::Tensor& t : tensors) {
+    if (!t.defined() || t.layout() != c10::kStrided || !t.is_cuda()) continue;  // checked later
+    const c10::Storage& storage = t.storage();
+    if (storage.nbytes() == 0 || storage.data() == nullptr || is_imported(storage)) continue;
+    if (!seen.insert(storage.unsafeGetStorageImpl()).second || cached_location(storage)) continue;
+    const int device = storage.device().index();
+    ScopedContext scope(device);
+    if (auto loc = locate_legacy(storage, device))
+      cache_location(storage, *loc);
+    else
+      vmm[device].push_back(storage);
   }
+  for (auto& [device, storages] : vmm) {
+    ScopedContext scope(device);
+    std::vector<VmmLocation> locations = locate_vmm(storages, device);
+    for (size_t i = 0; i < storages.size(); ++i) cache_location(storages[i], vmm_location(locations[i], device));
+  }
+}
+
+// Own storages: where they live, through the weak cache.
+StorageLocation locate_own(const c10::Storage& storage) {
+  if (const StorageLocation* known = cached_location(storage)) return *known;
   StorageLocation loc;
   if (storage.device_type() == c10::DeviceType::CUDA) {
-    ScopedContext scope(storage.device().index());
-    loc = locate_cuda(storage, storage.device().index());
+    const int device = storage.device().index();
+    ScopedContext scope(device);
+    auto legacy = locate_legacy(storage, device);
+    loc = legacy ? *legacy : vmm_location(locate_vmm({storage}, device).at(0), device);
   } else if (storage.device_type() == c10::DeviceType::CPU) {
     loc = locate_host(storage);
   } else {
     TORCH_CHECK(false, "torch_ipc shares CUDA and CPU tensors, not ", storage.device());
   }
-  c10::intrusive_ptr<c10::StorageImpl> strong =
-      c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(const_cast<c10::StorageImpl*>(impl));
-  p.storage_cache.insert_or_assign(
-      impl, CachedStorage{c10::weak_intrusive_ptr<c10::StorageImpl>(strong), storage.data(), loc});
+  cache_location(storage, loc);
   return loc;
 }
 
@@ -226,6 +277,7 @@ std::string export_tensors(const std::vector<at::Tensor>& tensors,
   std::vector<std::pair<bool, LeaseRecord>> alloc_lease;  // (own, forwarded lease)
   auto record = std::make_unique<ExportRecord>();
   std::map<FullLeaseKey, LeaseRecord> forwarded;
+  locate_new_cuda_storages(tensors);
 
   d.tensors.reserve(tensors.size());
   for (size_t ti = 0; ti < tensors.size(); ++ti) {
@@ -253,7 +305,7 @@ std::string export_tensors(const std::vector<at::Tensor>& tensors,
         StorageLocation loc;
         bool own = true;
         LeaseRecord lease;
-        if (storage.data_ptr().get_deleter() == &delete_imported_storage) {
+        if (is_imported(storage)) {
           // A tensor this process received: send the owner's memory and lease on.
           auto* ctx = static_cast<ImportedStorage*>(storage.data_ptr().get_context());
           loc = {ctx->mapping->kind, ctx->mapping->device, ctx->mapping->handle,

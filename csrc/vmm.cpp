@@ -116,6 +116,10 @@ struct Group {
 // chunks; dead storages are pruned by vmm_collect (called by the
 // collector) and before every new export. Until then the retained handles keep
 // physical memory that torch may have unmapped: at most one collect interval.
+// A run located for a whole message (Note [VMM runs per message] in
+// export.cpp) lives as long as its longest-lived storage, and with it the
+// chunks of its other storages: like a cudaMalloc segment, which torch cannot
+// free while one block in it is in use.
 struct Exporter {
   std::mutex mu;
   std::unordered_map<unsigned long long, std::weak_ptr<Chunk>> chunks;
@@ -297,45 +301,76 @@ void delete_storage_ref(void* ctx) { delete static_cast<c10::Storage*>(ctx); }
 
 // ---------------------------------------------------------------- producer API
 
-VmmLocation locate_vmm(const c10::Storage& storage, int device) {
+std::vector<VmmLocation> locate_vmm(const std::vector<c10::Storage>& storages, int device) {
   Exporter& e = exporter();
   std::vector<std::shared_ptr<Group>> dropped;  // destroyed after the lock
   std::lock_guard<std::mutex> lock(e.mu);
   sweep(e, dropped);
-  const CUdeviceptr data = reinterpret_cast<CUdeviceptr>(storage.data());
-  const CUdeviceptr end = data + std::max<uint64_t>(storage.nbytes(), 1);
-  std::vector<std::shared_ptr<Chunk>> chunks;
-  CUdeviceptr first_base = 0;
-  for (CUdeviceptr p = data; p < end;) {
-    auto [base, size, block] = chunk_at(p);
-    if (chunks.empty()) first_base = base;
-    std::shared_ptr<Chunk> c;
-    if (block != 0) {
-      std::weak_ptr<Chunk>& slot = e.chunks[block];
-      c = slot.lock();
-      if (!c || c->size != size) {
-        c = export_chunk(base, size, device);
-        slot = c;
-      }
-    } else {
-      c = export_chunk(base, size, device);  // no id to share it by
+
+  // The chunks under each storage, and the storages in address order.
+  struct Span {
+    CUdeviceptr data;
+    std::vector<MappedChunk> chunks;
+    bool alone;  // SharedPool: never shares a run (isolation)
+  };
+  std::vector<Span> spans;
+  spans.reserve(storages.size());
+  for (const c10::Storage& s : storages) {
+    Span span{reinterpret_cast<CUdeviceptr>(s.data()), {}, vmm_is_pool_storage(s)};
+    const CUdeviceptr end = span.data + std::max<uint64_t>(s.nbytes(), 1);
+    for (CUdeviceptr p = span.data; p < end;) {
+      span.chunks.push_back(chunk_at(p));
+      p = span.chunks.back().base + span.chunks.back().size;
     }
-    chunks.push_back(std::move(c));
-    p = base + size;
+    spans.push_back(std::move(span));
   }
-  std::vector<const Chunk*> key;
-  for (auto& c : chunks) key.push_back(c.get());
-  auto it = e.groups.find(key);
-  if (it == e.groups.end()) it = e.groups.emplace(key, publish_group(std::move(chunks))).first;
-  Group& g = *it->second;
-  const c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
-  bool known = false;
-  for (auto& w : g.users) known = known || w._unsafe_get_target() == impl;
-  if (!known) {
-    auto strong = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(const_cast<c10::StorageImpl*>(impl));
-    g.users.emplace_back(strong);
+  std::vector<size_t> order(spans.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return spans[a].data < spans[b].data; });
+
+  std::vector<VmmLocation> out(storages.size());
+  for (size_t i = 0; i < order.size();) {
+    // A run: the chunks of storage order[i], extended by each next storage
+    // whose first chunk is in the run or starts where the run ends.
+    std::vector<MappedChunk> run = spans[order[i]].chunks;
+    size_t j = i + 1;
+    for (; j < order.size() && !spans[order[i]].alone; ++j) {
+      const Span& next = spans[order[j]];
+      const CUdeviceptr run_end = run.back().base + run.back().size;
+      if (next.alone || next.chunks.front().base > run_end) break;
+      for (const MappedChunk& c : next.chunks)
+        if (c.base >= run_end) run.push_back(c);
+    }
+    std::vector<std::shared_ptr<Chunk>> chunks;
+    chunks.reserve(run.size());
+    for (const MappedChunk& m : run) {
+      std::shared_ptr<Chunk> c;
+      if (m.block != 0) {
+        std::weak_ptr<Chunk>& slot = e.chunks[m.block];
+        c = slot.lock();
+        if (!c || c->size != m.size) slot = c = export_chunk(m.base, m.size, device);
+      } else {
+        c = export_chunk(m.base, m.size, device);  // no id to share it by
+      }
+      chunks.push_back(std::move(c));
+    }
+    std::vector<const Chunk*> key;
+    for (auto& c : chunks) key.push_back(c.get());
+    auto it = e.groups.find(key);
+    if (it == e.groups.end()) it = e.groups.emplace(key, publish_group(std::move(chunks))).first;
+    Group& g = *it->second;
+    for (size_t k = i; k < j; ++k) {
+      const c10::StorageImpl* impl = storages[order[k]].unsafeGetStorageImpl();
+      bool known = false;
+      for (auto& w : g.users) known = known || w._unsafe_get_target() == impl;
+      if (!known)
+        g.users.emplace_back(
+            c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(const_cast<c10::StorageImpl*>(impl)));
+      out[order[k]] = VmmLocation{g.field, g.size, spans[order[k]].data - run.front().base};
+    }
+    i = j;
   }
-  return VmmLocation{g.field, g.size, data - first_base};
+  return out;
 }
 
 int vmm_collect() {
@@ -410,6 +445,8 @@ std::shared_ptr<VmmMapping> import_vmm(const Handle64& handle, uint64_t size, in
   auto m = std::make_shared<VmmMapping>();
   m->device = device;
   size_t alignment = 0;
+  CUmemAllocationProp last_prop{};
+  size_t granularity = 0;
   for (auto& item : items) {
     CUmemGenericAllocationHandle h;
     void* os_handle = type == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -429,8 +466,11 @@ std::shared_ptr<VmmMapping> import_vmm(const Handle64& handle, uint64_t size, in
     m->handles.push_back(h);
     CUmemAllocationProp prop{};
     TORCH_IPC_CU(cuMemGetAllocationPropertiesFromHandle, &prop, h);
-    size_t granularity = 0;
-    TORCH_IPC_CU(cuMemGetAllocationGranularity, &granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    if (granularity == 0 || std::memcmp(&prop, &last_prop, sizeof(prop)) != 0) {
+      granularity = 0;
+      TORCH_IPC_CU(cuMemGetAllocationGranularity, &granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+      last_prop = prop;
+    }
     if (granularity == 0 || item.size % granularity != 0)
       throw bad("a chunk of " + std::to_string(item.size) + " bytes is not a multiple of the granularity " +
                 std::to_string(granularity));
@@ -461,7 +501,9 @@ std::shared_ptr<VmmMapping> import_vmm(const Handle64& handle, uint64_t size, in
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = dev;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  for (auto& [ptr, bytes] : m->mapped) TORCH_IPC_CU(cuMemSetAccess, ptr, bytes, &access, 1);
+  // One call for the whole range: the chunks are mapped back to back, and
+  // the driver's cost is per call as well as per page.
+  TORCH_IPC_CU(cuMemSetAccess, m->base, m->size, &access, 1);
   return m;
 }
 

@@ -25,11 +25,13 @@ struct VmmLocation {
 };
 
 // ---- producer side
-// Export the physical allocations under `storage` (whose data lives on CUDA
-// device `device`, the current context). Cached for as long as the storage
-// lives; throws a runtime_error that says why when the memory is not VMM memory
-// or was created without a shareable handle type.
-VmmLocation locate_vmm(const c10::Storage& storage, int device);
+// Export the physical allocations under `storages` (all with data on CUDA
+// device `device`, the current context), one location per storage. Storages
+// whose chunks touch or adjoin share one run (Note [VMM runs per message] in
+// export.cpp); a SharedPool storage is always a run of its own. Cached for as
+// long as a storage of the run lives; throws a runtime_error that says why
+// when the memory is not VMM memory or was created without a shareable handle type.
+std::vector<VmmLocation> locate_vmm(const std::vector<c10::Storage>& storages, int device);
 // Drop the exports of storages that died: unpublish them, close their fds,
 // release the retained handles. Returns how many groups were dropped.
 int vmm_collect();

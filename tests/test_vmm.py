@@ -39,6 +39,35 @@ def _produce(numel, seed, how="plain", isolated=False):
     return data, x.cpu()
 
 
+def _produce_dict(count, numel, how="plain"):
+    """A dict of `count` float tensors of `numel` elements (tensor i holds i),
+    kept, exported in one message. -> descriptor."""
+    pool = _STATE.setdefault("pool", torch_ipc.SharedPool()) if how == "pool" else None
+    d = {}
+    for i in range(count):
+        d[f"w{i}"] = pool.empty((numel,), torch.float32) if pool else torch.empty(numel, device="cuda")
+        d[f"w{i}"].fill_(float(i))
+    _STATE["dict"] = d
+    torch.cuda.synchronize()
+    return torch_ipc.dumps(d)
+
+
+def _dump_one_of_dict(name):
+    return torch_ipc.dumps(_STATE["dict"][name])
+
+
+def _load_dict(data):
+    """Load and keep a dict; -> ({name: (first, last) value}, stats)."""
+    d = torch_ipc.loads(data)
+    torch.cuda.synchronize()
+    _STATE["ydict"] = d
+    return {k: (v[0].item(), v[-1].item()) for k, v in d.items()}, dict(_C.stats())
+
+
+def _mapping_sizes_of_dict():
+    return [_C.vmm_mapping_view(v).numel() for v in _STATE["ydict"].values()]
+
+
 def _producer_neighbour(value):
     """Fill a tensor that torch's allocator likely puts next to the last one."""
     _STATE["neighbour"] = torch.full((1000,), value, device="cuda")
@@ -260,6 +289,39 @@ def test_expandable_segments_share_and_write_both_ways(producer, consumer, numel
     assert torch.equal(producer.call(_producer_values), expected + 1)
     producer.call(_producer_mul, 2.0)
     assert torch.equal(consumer.call(_consumer_values), (expected + 1) * 2)
+
+
+@pytest.mark.cuda
+def test_state_dict_in_expandable_segments_is_one_run(producer, consumer):
+    # 24 x 4 MiB: torch puts them back to back in ~5 chunks of 20 MiB; one run
+    # of chunks (Note [VMM runs per message]), so one fetch and one mapping.
+    data = producer.call(_produce_dict, 24, MiB)
+    allocs = _C.describe(data)["allocs"]
+    assert all(a["kind"] == KIND_VMM for a in allocs)
+    assert len(allocs) <= 2, allocs  # one per tensor (24) without runs; 2 if torch split the segment
+    assert sum(a["size"] for a in allocs) >= 24 * 4 * MiB
+    got, stats = consumer.call(_load_dict, data)
+    assert got == {f"w{i}": (float(i), float(i)) for i in range(24)}
+    assert stats["vmm_mappings"] == len(allocs)
+    assert stats["fd_via_socket"] + stats["fd_via_pidfd"] == len(allocs)
+    # One tensor of the dict sent alone names the same run: the consumer,
+    # which still holds the dict, maps nothing new.
+    one = producer.call(_dump_one_of_dict, "w17")
+    assert _C.describe(one)["allocs"][0]["handle"] in [a["handle"] for a in allocs]
+    got, stats = consumer.call(_load, one)
+    assert bool((got == 17.0).all())
+    assert stats["vmm_mappings"] == len(allocs)
+
+
+@pytest.mark.cuda
+def test_pool_tensors_in_one_message_stay_isolated(producer, consumer):
+    granularity = producer.call(_granularity)
+    data = producer.call(_produce_dict, 4, 1000, "pool")
+    allocs = _C.describe(data)["allocs"]
+    assert len(allocs) == 4 and all(a["size"] == granularity for a in allocs), allocs
+    got, _ = consumer.call(_load_dict, data)
+    assert got == {f"w{i}": (float(i), float(i)) for i in range(4)}
+    assert consumer.call(_mapping_sizes_of_dict) == [granularity] * 4
 
 
 @pytest.mark.cuda
