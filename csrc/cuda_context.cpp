@@ -81,10 +81,15 @@ int device_for_uuid(const Uuid& uuid) {
 }
 
 ScopedContext::ScopedContext(int device) {
-  TORCH_IPC_CU(cuCtxPushCurrent, primary_context(device));
+  CUcontext wanted = primary_context(device);
+  CUcontext current = nullptr;
+  if (driver().cuCtxGetCurrent(&current) == CUDA_SUCCESS && current == wanted) return;
+  TORCH_IPC_CU(cuCtxPushCurrent, wanted);
+  pushed_ = true;
 }
 
 ScopedContext::~ScopedContext() {
+  if (!pushed_) return;
   CUcontext popped;
   TORCH_IPC_CU_WARN(cuCtxPopCurrent, &popped);
 }

@@ -15,13 +15,17 @@ const Uuid& device_uuid(int index);
 int device_for_uuid(const Uuid& uuid);
 
 // Make the primary context of `device` (the one torch uses) current on this
-// thread for the scope, and restore the previous one after.
+// thread for the scope, and restore the previous one after. Where it is
+// current already (torch made it so), nothing is pushed or popped.
 class ScopedContext {
  public:
   explicit ScopedContext(int device);
   ~ScopedContext();
   ScopedContext(const ScopedContext&) = delete;
   ScopedContext& operator=(const ScopedContext&) = delete;
+
+ private:
+  bool pushed_ = false;
 };
 
 // torch's current stream on `device` for this thread.

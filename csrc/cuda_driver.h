@@ -22,6 +22,7 @@ namespace torch_ipc {
   X(cuDeviceGetCount)                  \
   X(cuDeviceGetUuid)                   \
   X(cuDevicePrimaryCtxRetain)          \
+  X(cuCtxGetCurrent)                   \
   X(cuCtxPushCurrent)                  \
   X(cuCtxPopCurrent)                   \
   X(cuPointerGetAttributes)            \
