@@ -10,9 +10,16 @@ import multiprocessing as mp
 import statistics
 import time
 
+import os
+import sys
+
 import torch
 
-import torch_ipc
+try:
+    import torch_ipc
+except ImportError:  # not installed: the one of this checkout, built in place
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import torch_ipc
 
 TIMEOUT = 60
 
