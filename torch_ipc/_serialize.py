@@ -71,7 +71,8 @@ _DICT = b"D"
 _LIST = b"L"
 _TUPLE = b"T"
 _PICKLED = b"P"
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_SET = frozenset((torch.Tensor, torch.nn.Parameter))
+_STR_SET = {str}
 
 
 def _flat(obj):
@@ -81,12 +82,15 @@ def _flat(obj):
         return [obj], [False], _SINGLE
     if kind is dict or kind is list or kind is tuple:
         values = list(obj.values()) if kind is dict else list(obj)
-        types = [type(v) for v in values]
-        if values and all(t in _PLAIN for t in types):
-            parameters = [t is torch.nn.Parameter for t in types]
+        types = set(map(type, values))
+        if values and types <= _PLAIN_SET:
+            if torch.nn.Parameter in types:
+                parameters = [type(v) is torch.nn.Parameter for v in values]
+            else:
+                parameters = [False] * len(values)
             if kind is dict:
                 keys = list(obj)
-                if all(type(k) is str for k in keys):
+                if set(map(type, keys)) == _STR_SET:
                     return values, parameters, _DICT + pickle.dumps(keys, pickle.HIGHEST_PROTOCOL)
             else:
                 return values, parameters, _LIST if kind is list else _TUPLE
