@@ -10,16 +10,11 @@ import multiprocessing as mp
 import statistics
 import time
 
-import os
-import sys
-
 import torch
 
-try:
-    import torch_ipc
-except ImportError:  # not installed: the one of this checkout, built in place
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import torch_ipc
+from bench import import_torch_ipc
+
+torch_ipc = import_torch_ipc()  # the installed one, else this checkout's (built in place)
 
 TIMEOUT = 60
 
@@ -29,8 +24,6 @@ def median_us(samples):
 
 
 def consumer(conn):
-    import torch_ipc
-
     while True:
         msg = conn.recv()
         if msg is None:

@@ -100,6 +100,43 @@ def consume(sock, chunks, chunk_bytes, rounds, threads, results):
     total = chunks * chunk_bytes
     rows = {k: [] for k in ("recv_fds", "import", "reserve", "map", "access_each", "access_once",
                             "unmap", "release", "free", f"import_map_{threads}_threads", "whole")}
+
+    def new_handles():
+        return [ctypes.c_ulonglong() for _ in range(chunks)]
+
+    def import_chunk(h, fd):
+        cu("cuMemImportFromShareableHandle", ctypes.byref(h), ctypes.c_void_p(fd), POSIX_FD)
+
+    def map_chunk(address, h):
+        cu("cuMemMap", ctypes.c_ulonglong(address), ctypes.c_size_t(chunk_bytes), ctypes.c_size_t(0), h,
+           ctypes.c_ulonglong(0))
+
+    def set_access(address, nbytes):
+        cu("cuMemSetAccess", ctypes.c_ulonglong(address), ctypes.c_size_t(nbytes), ctypes.byref(access),
+           ctypes.c_size_t(1))
+
+    def reserve():
+        base = ctypes.c_ulonglong()
+        cu("cuMemAddressReserve", ctypes.byref(base), ctypes.c_size_t(total), ctypes.c_size_t(gran.value),
+           ctypes.c_ulonglong(0), ctypes.c_ulonglong(0))
+        return base.value, [base.value + i * chunk_bytes for i in range(chunks)]
+
+    def import_all(handles, fds):
+        for h, fd in zip(handles, fds):
+            import_chunk(h, fd)
+
+    def map_all(addrs, handles):
+        for a, h in zip(addrs, handles):
+            map_chunk(a, h)
+
+    def unmap_all(addrs):
+        for a in addrs:
+            cu("cuMemUnmap", ctypes.c_ulonglong(a), ctypes.c_size_t(chunk_bytes))
+
+    def release_all(handles):
+        for h in handles:
+            cu("cuMemRelease", h)
+
     for _ in range(rounds):
         sock.sendall(b"go")
         t0 = time.perf_counter_ns()
@@ -109,48 +146,29 @@ def consume(sock, chunks, chunk_bytes, rounds, threads, results):
             fds += got
         rows["recv_fds"].append((time.perf_counter_ns() - t0) / 1e3)
 
-        handles = [ctypes.c_ulonglong() for _ in range(chunks)]
-        us, _ = timed(lambda: [cu("cuMemImportFromShareableHandle", ctypes.byref(h), ctypes.c_void_p(fd), POSIX_FD)
-                               for h, fd in zip(handles, fds)])
-        rows["import"].append(us)
-        base = ctypes.c_ulonglong()
-        us, _ = timed(lambda: cu("cuMemAddressReserve", ctypes.byref(base), ctypes.c_size_t(total),
-                                 ctypes.c_size_t(gran.value), ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)))
+        # Each step on its own.
+        handles = new_handles()
+        rows["import"].append(timed(lambda: import_all(handles, fds))[0])
+        us, (base, addrs) = timed(reserve)
         rows["reserve"].append(us)
-        addrs = [base.value + i * chunk_bytes for i in range(chunks)]
+        rows["map"].append(timed(lambda: map_all(addrs, handles))[0])
+        rows["access_each"].append(timed(lambda: [set_access(a, chunk_bytes) for a in addrs])[0])
+        rows["unmap"].append(timed(lambda: unmap_all(addrs))[0])
+        map_all(addrs, handles)
+        rows["access_once"].append(timed(lambda: set_access(base, total))[0])
+        unmap_all(addrs)
+        rows["release"].append(timed(lambda: release_all(handles))[0])
+        rows["free"].append(timed(lambda: cu("cuMemAddressFree", ctypes.c_ulonglong(base), ctypes.c_size_t(total)))[0])
 
-        def map_all():
-            for a, h in zip(addrs, handles):
-                cu("cuMemMap", ctypes.c_ulonglong(a), ctypes.c_size_t(chunk_bytes), ctypes.c_size_t(0), h,
-                   ctypes.c_ulonglong(0))
-
-        def unmap_all():
-            for a in addrs:
-                cu("cuMemUnmap", ctypes.c_ulonglong(a), ctypes.c_size_t(chunk_bytes))
-
-        rows["map"].append(timed(map_all)[0])
-        rows["access_each"].append(timed(lambda: [cu("cuMemSetAccess", ctypes.c_ulonglong(a), ctypes.c_size_t(chunk_bytes),
-                                                      ctypes.byref(access), ctypes.c_size_t(1)) for a in addrs])[0])
-        rows["unmap"].append(timed(unmap_all)[0])
-        map_all()
-        rows["access_once"].append(timed(lambda: cu("cuMemSetAccess", base, ctypes.c_size_t(total), ctypes.byref(access),
-                                                    ctypes.c_size_t(1)))[0])
-        unmap_all()
-        rows["release"].append(timed(lambda: [cu("cuMemRelease", h) for h in handles])[0])
-        rows["free"].append(timed(lambda: cu("cuMemAddressFree", base, ctypes.c_size_t(total)))[0])
-
-        # Import + map on several threads, then the whole sequence on one.
-        handles2 = [ctypes.c_ulonglong() for _ in range(chunks)]
-        cu("cuMemAddressReserve", ctypes.byref(base), ctypes.c_size_t(total), ctypes.c_size_t(gran.value),
-           ctypes.c_ulonglong(0), ctypes.c_ulonglong(0))
-        addrs = [base.value + i * chunk_bytes for i in range(chunks)]
+        # Import + map on several threads.
+        handles = new_handles()
+        base, addrs = reserve()
 
         def worker(k):
             cu.set_context()
             for i in range(k, chunks, threads):
-                cu("cuMemImportFromShareableHandle", ctypes.byref(handles2[i]), ctypes.c_void_p(fds[i]), POSIX_FD)
-                cu("cuMemMap", ctypes.c_ulonglong(addrs[i]), ctypes.c_size_t(chunk_bytes), ctypes.c_size_t(0),
-                   handles2[i], ctypes.c_ulonglong(0))
+                import_chunk(handles[i], fds[i])
+                map_chunk(addrs[i], handles[i])
 
         pool = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
         t0 = time.perf_counter_ns()
@@ -159,26 +177,21 @@ def consume(sock, chunks, chunk_bytes, rounds, threads, results):
         for t in pool:
             t.join()
         rows[f"import_map_{threads}_threads"].append((time.perf_counter_ns() - t0) / 1e3)
-        unmap_all()
-        for h in handles2:
-            cu("cuMemRelease", h)
+        unmap_all(addrs)
+        release_all(handles)
+
+        # The whole sequence on one thread, as a consumer does it.
+        handles = new_handles()
 
         def whole():
-            hs = [ctypes.c_ulonglong() for _ in range(chunks)]
-            for h, fd in zip(hs, fds):
-                cu("cuMemImportFromShareableHandle", ctypes.byref(h), ctypes.c_void_p(fd), POSIX_FD)
-            for a, h in zip(addrs, hs):
-                cu("cuMemMap", ctypes.c_ulonglong(a), ctypes.c_size_t(chunk_bytes), ctypes.c_size_t(0), h,
-                   ctypes.c_ulonglong(0))
-            cu("cuMemSetAccess", base, ctypes.c_size_t(total), ctypes.byref(access), ctypes.c_size_t(1))
-            return hs
+            import_all(handles, fds)
+            map_all(addrs, handles)
+            set_access(base, total)
 
-        us, hs = timed(whole)
-        rows["whole"].append(us)
-        unmap_all()
-        for h in hs:
-            cu("cuMemRelease", h)
-        cu("cuMemAddressFree", base, ctypes.c_size_t(total))
+        rows["whole"].append(timed(whole)[0])
+        unmap_all(addrs)
+        release_all(handles)
+        cu("cuMemAddressFree", ctypes.c_ulonglong(base), ctypes.c_size_t(total))
         for fd in fds:
             os.close(fd)
     results.put({k: statistics.median(v) for k, v in rows.items()})

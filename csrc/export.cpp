@@ -179,6 +179,26 @@ bool is_imported(const c10::Storage& storage) {
   return storage.data_ptr().get_deleter() == &delete_imported_storage;
 }
 
+// Locate and cache CUDA storages that the cache does not know: legacy IPC
+// ones one by one, VMM ones together per device (Note [VMM runs per message]).
+void locate_cuda_storages(const std::vector<c10::Storage>& storages) {
+  std::map<int, std::vector<c10::Storage>> vmm;  // by device
+  for (const c10::Storage& storage : storages) {
+    const int device = storage.device().index();
+    ScopedContext scope(device);
+    if (auto loc = locate_legacy(storage, device))
+      cache_location(storage, *loc);
+    else
+      vmm[device].push_back(storage);
+  }
+  for (auto& [device, on_device] : vmm) {
+    ScopedContext scope(device);
+    std::vector<VmmLocation> locations = locate_vmm(on_device, device);
+    for (size_t i = 0; i < on_device.size(); ++i)
+      cache_location(on_device[i], vmm_location(locations[i], device));
+  }
+}
+
 // Note [VMM runs per message]
 // Storages of one message that live in VMM memory are located together, so
 // that the chunks they touch form as few runs as possible (Note [VMM handle
@@ -189,41 +209,28 @@ bool is_imported(const c10::Storage& storage) {
 // the cache does not know yet is located here; the loop then finds them all
 // in the cache.
 void locate_new_cuda_storages(const std::vector<at::Tensor>& tensors) {
-  std::map<int, std::vector<c10::Storage>> vmm;  // by device
-  std::unordered_set<const c10::StorageImpl*> seen;
+  std::vector<c10::Storage> unknown;
+  std::unordered_set<const c10::StorageImpl*> seen;  // of the unknown ones
   for (const at::Tensor& t : tensors) {
     if (!t.defined() || t.layout() != c10::kStrided || !t.is_cuda()) continue;  // checked later
     const c10::Storage& storage = t.storage();
     if (storage.nbytes() == 0 || storage.data() == nullptr || is_imported(storage)) continue;
-    if (!seen.insert(storage.unsafeGetStorageImpl()).second || cached_location(storage)) continue;
-    const int device = storage.device().index();
-    ScopedContext scope(device);
-    if (auto loc = locate_legacy(storage, device))
-      cache_location(storage, *loc);
-    else
-      vmm[device].push_back(storage);
+    if (cached_location(storage) || !seen.insert(storage.unsafeGetStorageImpl()).second) continue;
+    unknown.push_back(storage);
   }
-  for (auto& [device, storages] : vmm) {
-    ScopedContext scope(device);
-    std::vector<VmmLocation> locations = locate_vmm(storages, device);
-    for (size_t i = 0; i < storages.size(); ++i) cache_location(storages[i], vmm_location(locations[i], device));
-  }
+  if (!unknown.empty()) locate_cuda_storages(unknown);
 }
 
 // Own storages: where they live, through the weak cache.
 StorageLocation locate_own(const c10::Storage& storage) {
   if (const StorageLocation* known = cached_location(storage)) return *known;
-  StorageLocation loc;
   if (storage.device_type() == c10::DeviceType::CUDA) {
-    const int device = storage.device().index();
-    ScopedContext scope(device);
-    auto legacy = locate_legacy(storage, device);
-    loc = legacy ? *legacy : vmm_location(locate_vmm({storage}, device).at(0), device);
-  } else if (storage.device_type() == c10::DeviceType::CPU) {
-    loc = locate_host(storage);
-  } else {
-    TORCH_CHECK(false, "torch_ipc shares CUDA and CPU tensors, not ", storage.device());
+    locate_cuda_storages({storage});
+    return *cached_location(storage);
   }
+  TORCH_CHECK(storage.device_type() == c10::DeviceType::CPU,
+              "torch_ipc shares CUDA and CPU tensors, not ", storage.device());
+  StorageLocation loc = locate_host(storage);
   cache_location(storage, loc);
   return loc;
 }

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -325,7 +326,7 @@ std::vector<VmmLocation> locate_vmm(const std::vector<c10::Storage>& storages, i
     spans.push_back(std::move(span));
   }
   std::vector<size_t> order(spans.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::iota(order.begin(), order.end(), 0);
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return spans[a].data < spans[b].data; });
 
   std::vector<VmmLocation> out(storages.size());

@@ -72,7 +72,7 @@ _LIST = b"L"
 _TUPLE = b"T"
 _PICKLED = b"P"
 _PLAIN_SET = frozenset((torch.Tensor, torch.nn.Parameter))
-_STR_SET = {str}
+_STR_SET = frozenset((str,))
 
 
 def _flat(obj):
