@@ -34,7 +34,7 @@ void translate(std::exception_ptr p) {
     raise("DescriptorError", e.what());
   } catch (const CudaError& e) {
     py::object cls = error_class("CudaError");
-    py::object exc = cls(e.what(), e.error_name);
+    py::object exc = cls(e.what(), e.error_name, e.call);
     PyErr_SetObject(cls.ptr(), exc.ptr());
   } catch (const CudaUnavailable& e) {
     raise("CudaUnavailableError", e.what());
@@ -44,6 +44,10 @@ void translate(std::exception_ptr p) {
     raise("ReleasedError", e.what());
   } catch (const DeviceNotFound& e) {
     raise("DeviceNotFoundError", e.what());
+  } catch (const OsError& e) {
+    py::object exc = py::reinterpret_steal<py::object>(
+        PyObject_CallFunction(PyExc_OSError, "is", e.error_number, e.what()));
+    if (exc) PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   }
 }
 

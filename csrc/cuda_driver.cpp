@@ -85,11 +85,13 @@ std::string driver_error_message(const char* call, CUresult result) {
          " (" + (text ? text : "unknown") + ")";
 }
 
-void throw_driver_error(const char* call, CUresult result) {
+void throw_driver_error(const char* call, CUresult result, const std::string& context) {
   const char* name = nullptr;
   const Loaded& l = loaded();
   if (l.error.empty()) l.api.cuGetErrorName(result, &name);
-  throw CudaError(driver_error_message(call, result), name ? name : "");
+  std::string message = driver_error_message(call, result);
+  if (!context.empty()) message = context + ": " + message;
+  throw CudaError(message, name ? name : "CUDA_ERROR_" + std::to_string(result), call);
 }
 
 }  // namespace torch_ipc

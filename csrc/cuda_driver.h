@@ -69,7 +69,10 @@ bool driver_available(std::string* why_not = nullptr);
 // "cuIpcOpenMemHandle failed: CUDA_ERROR_INVALID_VALUE (invalid argument)".
 std::string driver_error_message(const char* call, CUresult result);
 
-[[noreturn]] void throw_driver_error(const char* call, CUresult result);
+// Raise torch_ipc.CudaError naming `call` and the driver's name for `result`;
+// `context`, when given, says what was being done ("<context>: <call> failed: ...").
+[[noreturn]] void throw_driver_error(const char* call, CUresult result,
+                                     const std::string& context = "");
 
 }  // namespace torch_ipc
 

@@ -1,7 +1,9 @@
 // The C++ exception types of torch_ipc; bindings.cpp maps each to its Python class.
-// Implementation files throw these (or TORCH_CHECK for bad arguments), never print.
+// Implementation files throw these (or TORCH_CHECK for bad arguments), never
+// std::runtime_error, never print.
 #pragma once
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -14,11 +16,13 @@ struct DescriptorError : std::runtime_error {
 };
 
 // A CUDA driver call failed. Python: torch_ipc.CudaError (a RuntimeError) with
-// the driver's name for the error in `.error_name`.
+// the driver's name for the error in `.error_name` and the call in `.call`.
+// Built by throw_driver_error (cuda_driver.h) only.
 struct CudaError : std::runtime_error {
-  CudaError(const std::string& what, std::string name)
-      : std::runtime_error(what), error_name(std::move(name)) {}
+  CudaError(const std::string& what, std::string name, std::string call_name)
+      : std::runtime_error(what), error_name(std::move(name)), call(std::move(call_name)) {}
   std::string error_name;
+  std::string call;
 };
 
 // No usable CUDA driver in this process. Python: torch_ipc.CudaUnavailableError.
@@ -27,7 +31,7 @@ struct CudaUnavailable : std::runtime_error {
 };
 
 // The process that exported the memory has exited (or is in another PID
-// namespace). Python: torch_ipc.ProducerGoneError.
+// namespace). Python: torch_ipc.ProducerGoneError. Build it with producer_gone().
 struct ProducerGone : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
@@ -43,5 +47,20 @@ struct Released : std::runtime_error {
 struct DeviceNotFound : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+
+// A system call failed (sockets, shared memory, pidfd). Python: OSError with
+// `errno` set, so the builtin subclass that fits (PermissionError,
+// FileNotFoundError, ...) is what the caller catches.
+struct OsError : std::runtime_error {
+  OsError(int error_number, const std::string& what)
+      : std::runtime_error(what), error_number(error_number) {}
+  int error_number;
+};
+
+// "torch_ipc: <call> <subject> failed: <strerror(errno)>" as an OsError of errno.
+[[noreturn]] void throw_os_error(const std::string& call, const std::string& subject = "");
+
+// The one wording of "the producer (pid N) has exited", and what is lost with it.
+ProducerGone producer_gone(uint32_t pid, const std::string& consequence = "");
 
 }  // namespace torch_ipc

@@ -455,15 +455,11 @@ std::shared_ptr<VmmMapping> import_vmm(const Handle64& handle, uint64_t size, in
                           : static_cast<void*>(item.blob.data());
     CUresult r = driver().cuMemImportFromShareableHandle(&h, os_handle, type);
     item.fd.reset();  // the imported handle holds the memory now
-    if (r != CUDA_SUCCESS) {
-      const char* name = nullptr;
-      driver().cuGetErrorName(r, &name);
-      throw CudaError("torch_ipc: what the producer (pid " + std::to_string(owner.pid) +
-                          ") sent is not a CUDA allocation this process can import: " +
-                          driver_error_message("cuMemImportFromShareableHandle", r) +
-                          (type == CU_MEM_HANDLE_TYPE_FABRIC ? " (fabric handles need an IMEX channel)" : ""),
-                      name ? name : "");
-    }
+    if (r != CUDA_SUCCESS)
+      throw_driver_error("cuMemImportFromShareableHandle", r,
+                         "torch_ipc: what the producer (pid " + std::to_string(owner.pid) +
+                             ") sent is not a CUDA allocation this process can import" +
+                             (type == CU_MEM_HANDLE_TYPE_FABRIC ? " (fabric handles need an IMEX channel)" : ""));
     m->handles.push_back(h);
     CUmemAllocationProp prop{};
     TORCH_IPC_CU(cuMemGetAllocationPropertiesFromHandle, &prop, h);
@@ -484,15 +480,11 @@ std::shared_ptr<VmmMapping> import_vmm(const Handle64& handle, uint64_t size, in
   CUdeviceptr at = m->base;
   for (size_t i = 0; i < items.size(); ++i) {
     CUresult r = driver().cuMemMap(at, items[i].size, 0, m->handles[i], 0);
-    if (r != CUDA_SUCCESS) {
-      const char* name = nullptr;
-      driver().cuGetErrorName(r, &name);
-      throw CudaError("torch_ipc: mapping " + std::to_string(items[i].size) + " bytes of allocation " +
-                          std::to_string(i) + " from pid " + std::to_string(owner.pid) +
-                          " failed (is the allocation smaller than the descriptor says?): " +
-                          driver_error_message("cuMemMap", r),
-                      name ? name : "");
-    }
+    if (r != CUDA_SUCCESS)
+      throw_driver_error("cuMemMap", r,
+                         "torch_ipc: mapping " + std::to_string(items[i].size) + " bytes of allocation " +
+                             std::to_string(i) + " from pid " + std::to_string(owner.pid) +
+                             " (is the allocation smaller than the descriptor says?)");
     m->mapped.emplace_back(at, items[i].size);
     at += items[i].size;
   }
@@ -542,11 +534,10 @@ at::Tensor vmm_pool_empty(const std::vector<int64_t>& sizes, c10::ScalarType dty
     TORCH_CHECK_WITH(OutOfMemoryError, false, "torch_ipc.SharedPool: out of memory allocating ",
                      a->size, " bytes on CUDA device ", device);
   if (r != CUDA_SUCCESS && handle_type == CU_MEM_HANDLE_TYPE_FABRIC)
-    throw CudaError("torch_ipc.SharedPool: cannot create memory with fabric handles here (" +
-                        driver_error_message("cuMemCreate", r) +
-                        "); fabric handles need an IMEX channel (/dev/nvidia-caps-imex-channels) "
-                        "on a system with a multi-node NVLink fabric; use handle_type='posix_fd'",
-                    "");
+    throw_driver_error("cuMemCreate", r,
+                       "torch_ipc.SharedPool: cannot create memory with fabric handles here; they "
+                       "need an IMEX channel (/dev/nvidia-caps-imex-channels) on a system with a "
+                       "multi-node NVLink fabric; use handle_type='posix_fd'");
   if (r != CUDA_SUCCESS) throw_driver_error("cuMemCreate", r);
   a->created = true;
   ++pool_count;

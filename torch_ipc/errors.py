@@ -17,14 +17,16 @@ class DescriptorError(ValueError):
 
 class CudaError(RuntimeError):
     """A CUDA driver call failed. ``error_name`` is the driver's name for the
-    error, e.g. ``"CUDA_ERROR_INVALID_VALUE"``."""
+    error, e.g. ``"CUDA_ERROR_INVALID_VALUE"``; ``call`` the driver function
+    that returned it, e.g. ``"cuIpcOpenMemHandle"``."""
 
-    def __init__(self, message: str, error_name: str = ""):
+    def __init__(self, message: str, error_name: str = "", call: str = ""):
         super().__init__(message)
         self.error_name = error_name
+        self.call = call
 
     def __reduce__(self):
-        return (type(self), (str(self), self.error_name))
+        return (type(self), (str(self), self.error_name, self.call))
 
 
 class CudaUnavailableError(RuntimeError):

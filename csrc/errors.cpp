@@ -1,0 +1,19 @@
+#include "errors.h"
+
+#include <cerrno>
+#include <cstring>
+
+namespace torch_ipc {
+
+void throw_os_error(const std::string& call, const std::string& subject) {
+  const int err = errno;
+  throw OsError(err, "torch_ipc: " + call + (subject.empty() ? "" : " " + subject) +
+                         " failed: " + std::strerror(err));
+}
+
+ProducerGone producer_gone(uint32_t pid, const std::string& consequence) {
+  return ProducerGone("torch_ipc: the producer (pid " + std::to_string(pid) + ") has exited" +
+                      (consequence.empty() ? "" : "; " + consequence));
+}
+
+}  // namespace torch_ipc
