@@ -225,22 +225,25 @@ PYBIND11_MODULE(_C, m) {
   m.def("vmm_is_pool_tensor", [](const at::Tensor& t) {
     return t.defined() && t.is_cuda() && vmm_is_pool_storage(t.storage());
   });
-  m.def("vmm_mapping_view", &vmm_mapping_view, py::arg("tensor"));
-  m.def("vmm_collect", &vmm_collect);
-  // fd passing primitives, for tests: publish fds of this process, fetch another's.
-  m.def("_fd_self", [] { return py::make_tuple(self_process().pid, self_process().start_time); });
-  m.def("_fd_socket_name", [](uint32_t pid, uint64_t start_time) {
+  // ---- end VMM sharing ----
+
+  // ---- test-only: torch_ipc._C._testing, not part of the package's API ----
+  py::module_ testing = m.def_submodule("_testing", "primitives torch_ipc's own tests drive directly");
+  testing.def("vmm_mapping_view", &vmm_mapping_view, py::arg("tensor"));
+  // fd passing primitives: publish fds of this process, fetch another's.
+  testing.def("fd_self", [] { return py::make_tuple(self_process().pid, self_process().start_time); });
+  testing.def("fd_socket_name", [](uint32_t pid, uint64_t start_time) {
     return fd_socket_name(ProcessId{pid, start_time});
   });
-  m.def("_fd_publish", [](const std::vector<int>& fds, const std::vector<uint64_t>& sizes) {
+  testing.def("fd_publish", [](const std::vector<int>& fds, const std::vector<uint64_t>& sizes) {
     TORCH_CHECK(fds.size() == sizes.size(), "torch_ipc: one size per fd");
     std::vector<PublishedItem> items;
     for (size_t i = 0; i < fds.size(); ++i) items.push_back(PublishedItem{sizes[i], fds[i], {}});
     return fd_publish(items);
   });
-  m.def("_fd_unpublish", [](uint64_t id) { fd_unpublish(id); });
-  m.def(
-      "_fd_fetch",
+  testing.def("fd_unpublish", [](uint64_t id) { fd_unpublish(id); });
+  testing.def(
+      "fd_fetch",
       [](uint32_t pid, uint64_t start_time, uint64_t id, const std::vector<int>& remote_fds,
          const std::string& mode) {
         FdTransport t = mode.empty() ? fd_transport_from_env()
@@ -258,5 +261,4 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("pid"), py::arg("start_time"), py::arg("id"), py::arg("remote_fds"),
       py::arg("mode") = "");
-  // ---- end VMM sharing and fd passing ----
 }

@@ -24,15 +24,15 @@ def _memfd(payload: bytes) -> int:
 def _publish(payloads):
     """Publish one memfd per payload; keep them open. -> (pid, start, id, fd numbers)."""
     fds = [_memfd(p) for p in payloads]
-    ident = _C._fd_publish(fds, [len(p) for p in payloads])
+    ident = _C._testing.fd_publish(fds, [len(p) for p in payloads])
     _STATE.setdefault("fds", []).extend(fds)
     _STATE.setdefault("ids", []).append(ident)
-    pid, start = _C._fd_self()
+    pid, start = _C._testing.fd_self()
     return pid, start, ident, fds
 
 
 def _unpublish(ident):
-    _C._fd_unpublish(ident)
+    _C._testing.fd_unpublish(ident)
 
 
 def _fd_count():
@@ -44,7 +44,7 @@ def _stats():
 
 
 def _who():
-    return _C._fd_self()
+    return _C._testing.fd_self()
 
 
 def _read_all(items):
@@ -59,7 +59,7 @@ def _read_all(items):
 
 def _fetch(owner, ident, remote_fds=(), mode=""):
     pid, start = owner
-    return _read_all(_C._fd_fetch(pid, start, ident, list(remote_fds), mode))
+    return _read_all(_C._testing.fd_fetch(pid, start, ident, list(remote_fds), mode))
 
 
 def _fetch_with_stats(owner, ident, remote_fds=(), mode=""):
@@ -80,7 +80,7 @@ def _send_garbage(owner):
     pid, start = owner
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.settimeout(10)
-    s.connect("\0" + _C._fd_socket_name(pid, start))
+    s.connect("\0" + _C._testing.fd_socket_name(pid, start))
     s.send(b"not a request")
     reply = s.recv(4096)
     s.close()
@@ -182,9 +182,9 @@ def test_process_without_server_is_a_clear_error(producer):
 def test_server_pid_must_match_the_producer(producer):
     # A process that listens on the name of another (here: of this test's
     # process with a made-up start time) is not the producer.
-    me, _ = _C._fd_self()
+    me, _ = _C._testing.fd_self()
     fake = (me, 1)
-    impostor_pid = producer.call(_impostor, _C._fd_socket_name(*fake))
+    impostor_pid = producer.call(_impostor, _C._testing.fd_socket_name(*fake))
     with pytest.raises(RuntimeError, match=f"served by pid {impostor_pid}, not by the producer"):
         _fetch(fake, 1, mode="socket")
 

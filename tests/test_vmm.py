@@ -65,7 +65,7 @@ def _load_dict(data):
 
 
 def _mapping_sizes_of_dict():
-    return [_C.vmm_mapping_view(v).numel() for v in _STATE["ydict"].values()]
+    return [_C._testing.vmm_mapping_view(v).numel() for v in _STATE["ydict"].values()]
 
 
 def _producer_neighbour(value):
@@ -114,7 +114,7 @@ def _mapping_of_y(value):
     """The whole driver mapping behind y: its size, y's offset in it, whether
     the bytes past y are zero, whether `value` occurs anywhere in it."""
     y = _STATE["y"]
-    view = _C.vmm_mapping_view(y)
+    view = _C._testing.vmm_mapping_view(y)
     torch.cuda.synchronize()
     tail = view[y.untyped_storage().nbytes() + (y.data_ptr() - view.data_ptr()):]
     floats = view[: view.numel() // 4 * 4].view(torch.float32)
@@ -213,7 +213,7 @@ def _publish_memfd(nbytes):
     fd = os.memfd_create("not-cuda", os.MFD_CLOEXEC)
     os.ftruncate(fd, nbytes)
     _STATE.setdefault("fds", []).append(fd)
-    return _C._fd_publish([fd], [nbytes])
+    return _C._testing.fd_publish([fd], [nbytes])
 
 
 # ----------------------------------------------------------------------------- CPU tests
