@@ -131,14 +131,15 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_ipc's C++ core: descriptors, export/import, leases, CUDA driver";
   py::register_exception_translator(&translate);
 
-  m.def(
-      "export_tensors",
-      [](const std::vector<at::Tensor>& tensors, const std::vector<bool>& is_parameter,
-         const py::bytes& payload, uint32_t consumers) {
-        std::string bytes = export_tensors(tensors, is_parameter, payload, consumers);
-        return py::bytes(bytes);
-      },
-      py::arg("tensors"), py::arg("is_parameter"), py::arg("payload"), py::arg("consumers") = 1);
+  py::class_<Export, std::shared_ptr<Export>>(
+      m, "Export",
+      "One exported message: its descriptor (.data) and what it asked of leases. Dropping it "
+      "changes nothing; revoke() says nobody will load it any more.")
+      .def_property_readonly("data", [](const Export& e) { return py::bytes(e.data()); })
+      .def_property_readonly("live", &Export::live)
+      .def("revoke", &Export::revoke);
+  m.def("export_tensors", &export_tensors, py::arg("tensors"), py::arg("is_parameter"),
+        py::arg("payload"), py::arg("consumers") = 1);
   m.def(
       "import_tensors",
       [](const py::bytes& data) {
@@ -155,43 +156,6 @@ PYBIND11_MODULE(_C, m) {
         return reclaimed;
       },
       py::arg("close_idle") = false);
-  // What a descriptor this process made asks of leases, for connections that
-  // give back what their peer never loaded: the key (segment, slot,
-  // generation) of our own export or None, and the forwarded owners' leases
-  // (pid, start, segment, slot, generation).
-  m.def("sent_leases", [](const py::bytes& data) {
-    std::string_view view = data;
-    py::object own = py::none();
-    std::vector<std::tuple<uint32_t, uint64_t, uint32_t, uint32_t, uint64_t>> forwarded;
-    for (const auto& l : peek_leases(view.data(), view.size())) {
-      if (l.owner == self_process())
-        own = py::make_tuple(l.segment, l.slot, l.generation);
-      else
-        forwarded.emplace_back(l.owner.pid, l.owner.start_time, l.segment, l.slot, l.generation);
-    }
-    return py::make_tuple(own, forwarded);
-  });
-  // Give back one pending delivery per forwarded lease (Note [forwarding]).
-  m.def("give_back_deliveries",
-        [](const std::vector<std::tuple<uint32_t, uint64_t, uint32_t, uint32_t, uint64_t>>& keys) {
-          for (auto& [pid, start, segment, slot, generation] : keys)
-            lease_remove_deliveries(LeaseRecord{ProcessId{pid, start}, segment, slot, generation},
-                                    self_process().pid, 1);
-        });
-  m.def("revoke_leases", [](const std::vector<std::tuple<uint32_t, uint32_t, uint64_t>>& keys) {
-    std::vector<LeaseRecord> leases;
-    for (auto& [segment, slot, generation] : keys)
-      leases.push_back(LeaseRecord{self_process(), segment, slot, generation});
-    if (!leases.empty()) revoke_exports(leases);
-  });
-  m.def("live_leases", [](const std::vector<std::tuple<uint32_t, uint32_t, uint64_t>>& keys) {
-    std::vector<std::tuple<uint32_t, uint32_t, uint64_t>> out;
-    for (auto& k : keys) {
-      auto& [segment, slot, generation] = k;
-      if (export_is_live(LeaseRecord{self_process(), segment, slot, generation})) out.push_back(k);
-    }
-    return out;
-  });
   m.def("shutdown", [] {
     if (in_forked_child()) return;  // the parent's segments are not ours to unlink
     try {

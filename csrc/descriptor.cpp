@@ -1,5 +1,7 @@
 #include "descriptor.h"
 
+#include <c10/core/ScalarType.h>
+
 #include <cstring>
 #include <limits>
 
@@ -13,9 +15,9 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 
 constexpr size_t kHeaderBytes = 72;
 constexpr size_t kChecksumOffset = 64;
-constexpr size_t kEventBytes = 80;
+constexpr size_t kEventBytes = 72;
 constexpr size_t kLeaseBytes = 32;
-constexpr size_t kAllocBytes = 96;
+constexpr size_t kAllocBytes = 80;
 constexpr size_t kStorageBytes = 24;
 constexpr size_t kTensorHeadBytes = 16;
 
@@ -110,6 +112,46 @@ void check_index(uint64_t index, size_t count, const char* what) {
 
 bool valid_kind(uint8_t k) { return k >= 1 && k <= 3; }
 
+// Note [view bounds]
+// A tensor record is a view (sizes, strides, storage offset, dtype) of one
+// storage, and the importer builds it without copying: a view that reaches
+// past its storage would let a crafted descriptor read and write anywhere in
+// the consumer. So every record is checked here, where the storage sizes are
+// known, and every product and sum is overflow-checked (in 64 bits, unsigned
+// for byte extents): the element count must fit an int64 (torch computes
+// it), and the last byte the view can touch, (offset + sum((size-1)*stride)
+// + 1) * itemsize, must lie inside the storage. An empty view touches no
+// memory, but its storage offset must still lie inside the storage.
+void check_tensor(const TensorRecord& t, uint64_t storage_bytes) {
+  const size_t itemsize = dtype_itemsize(t.dtype);
+  if (itemsize == 0) bad("unknown or unsupported dtype code " + std::to_string(t.dtype));
+  if ((t.flags & kRequiresGrad) && !c10::isFloatingType(static_cast<c10::ScalarType>(t.dtype)) &&
+      !c10::isComplexType(static_cast<c10::ScalarType>(t.dtype)))
+    bad("requires_grad on a tensor that is neither floating point nor complex");
+  int64_t numel = 1;
+  for (int64_t size : t.sizes)
+    if (__builtin_mul_overflow(numel, size, &numel)) bad("a tensor's element count overflows");
+  uint64_t end;  // one past the last byte the view can touch
+  if (numel == 0) {
+    if (__builtin_mul_overflow(static_cast<uint64_t>(t.storage_offset), itemsize, &end))
+      bad("a tensor's storage offset overflows");
+  } else {
+    uint64_t last = static_cast<uint64_t>(t.storage_offset);  // element index
+    for (size_t i = 0; i < t.sizes.size(); ++i) {
+      uint64_t reach;
+      if (__builtin_mul_overflow(static_cast<uint64_t>(t.sizes[i] - 1),
+                                 static_cast<uint64_t>(t.strides[i]), &reach) ||
+          __builtin_add_overflow(last, reach, &last))
+        bad("a tensor view's extent overflows");
+    }
+    if (__builtin_add_overflow(last, uint64_t{1}, &last) ||
+        __builtin_mul_overflow(last, static_cast<uint64_t>(itemsize), &end))
+      bad("a tensor view's extent overflows");
+  }
+  if (end > storage_bytes)
+    bad("a tensor view runs past its storage (" + std::to_string(storage_bytes) + " bytes)");
+}
+
 LeaseRecord read_lease(Reader& r) {
   LeaseRecord l;
   l.owner.pid = r.get<uint32_t>("lease pid");
@@ -155,7 +197,6 @@ std::string encode(const Descriptor& d) {
   for (const auto& e : d.events) {
     w.put<uint16_t>(e.device);
     w.zeros(6);
-    w.put<uint64_t>(e.sequence);
     w.bytes(e.handle.data(), 64);
   }
   for (const auto& l : d.leases) {
@@ -174,14 +215,11 @@ std::string encode(const Descriptor& d) {
     w.zeros(2);
     w.put<uint64_t>(a.size);
     w.bytes(a.handle.data(), 64);
-    w.put<uint64_t>(a.extra);
-    w.zeros(8);
   }
   for (const auto& s : d.storages) {
     w.put<uint32_t>(s.alloc);
-    w.put<uint8_t>(static_cast<uint8_t>(s.kind));
-    w.zeros(1);
-    w.put<uint16_t>(s.device);
+    w.put<uint16_t>(s.empty_device);
+    w.zeros(2);
     w.put<uint64_t>(s.offset);
     w.put<uint64_t>(s.nbytes);
   }
@@ -246,7 +284,6 @@ Descriptor decode(const void* data, size_t size) {
     e.device = r.get<uint16_t>("event device");
     check_index(e.device, n_devices, "event device");
     r.zeros(6, "event padding");
-    e.sequence = r.get<uint64_t>("event sequence");
     r.bytes(e.handle.data(), 64, "event handle");
   }
 
@@ -273,33 +310,24 @@ Descriptor decode(const void* data, size_t size) {
     r.zeros(2, "alloc padding");
     a.size = r.get<uint64_t>("alloc size");
     r.bytes(a.handle.data(), 64, "alloc handle");
-    a.extra = r.get<uint64_t>("alloc extra");
-    r.zeros(8, "alloc reserved");
     if (a.size == 0) bad("an allocation of zero bytes");
   }
 
   d.storages.resize(n_storages);
   for (auto& s : d.storages) {
     s.alloc = r.get<uint32_t>("storage alloc");
-    uint8_t kind = r.get<uint8_t>("storage kind");
-    if (!valid_kind(kind)) bad("unknown storage kind " + std::to_string(kind));
-    s.kind = static_cast<AllocKind>(kind);
-    r.zeros(1, "storage padding");
-    s.device = r.get<uint16_t>("storage device");
+    s.empty_device = r.get<uint16_t>("storage device");
+    r.zeros(2, "storage padding");
     s.offset = r.get<uint64_t>("storage offset");
     s.nbytes = r.get<uint64_t>("storage size");
-    if (s.kind == AllocKind::CpuShm) {
-      if (s.device != kNone16) bad("a host storage names a GPU");
-    } else {
-      check_index(s.device, n_devices, "storage device");
-    }
     if (s.alloc == kNoAlloc) {
       if (s.nbytes != 0 || s.offset != 0) bad("a storage without memory has a size");
+      if (s.empty_device != kNone16) check_index(s.empty_device, n_devices, "storage device");
       continue;
     }
     check_index(s.alloc, n_allocs, "storage alloc");
+    if (s.empty_device != kNone16) bad("a storage with memory names a device of its own");
     const AllocRecord& a = d.allocs[s.alloc];
-    if (a.kind != s.kind || a.device != s.device) bad("storage and its allocation disagree on kind or device");
     if (s.offset > a.size || s.nbytes > a.size - s.offset)
       bad("storage [" + std::to_string(s.offset) + ", +" + std::to_string(s.nbytes) +
           ") lies outside its allocation of " + std::to_string(a.size) + " bytes");
@@ -323,6 +351,7 @@ Descriptor decode(const void* data, size_t size) {
     r.bytes(t.strides.data(), 8 * ndim, "tensor strides");
     for (int i = 0; i < ndim; ++i)
       if (t.sizes[i] < 0 || t.strides[i] < 0) bad("negative size or stride");
+    check_tensor(t, d.storages[t.storage].nbytes);
   }
 
   if (r.left() != payload_len) bad("bytes left after the tables do not match the payload length");
@@ -331,16 +360,21 @@ Descriptor decode(const void* data, size_t size) {
   return d;
 }
 
-std::vector<LeaseRecord> peek_leases(const void* data, size_t size) {
-  Reader r(static_cast<const uint8_t*>(data), size);
-  r.skip(12, "header");
-  uint16_t n_devices = r.get<uint16_t>("device count");
-  uint16_t n_events = r.get<uint16_t>("event count");
-  uint16_t n_leases = r.get<uint16_t>("lease count");
-  r.skip(kHeaderBytes - 18 + 16ull * n_devices + kEventBytes * n_events, "tables");
-  std::vector<LeaseRecord> leases(n_leases);
-  for (auto& l : leases) l = read_lease(r);
-  return leases;
+uint16_t storage_device(const Descriptor& d, const StorageRecord& s) {
+  return s.alloc == kNoAlloc ? s.empty_device : d.allocs[s.alloc].device;
+}
+
+size_t dtype_itemsize(uint8_t code) {
+  if (code >= static_cast<uint8_t>(c10::ScalarType::NumOptions) ||
+      code == static_cast<uint8_t>(c10::ScalarType::Undefined))
+    return 0;
+  const auto dtype = static_cast<c10::ScalarType>(code);
+  if (c10::isQIntType(dtype)) return 0;
+  try {
+    return c10::elementSize(dtype);
+  } catch (const c10::Error&) {  // a code this torch names but cannot size
+    return 0;
+  }
 }
 
 }  // namespace torch_ipc

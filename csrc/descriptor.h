@@ -13,12 +13,15 @@ namespace torch_ipc {
 // header (72 B, the last 8 a checksum) | devices | events | leases | allocs | storages | tensors | payload
 // A batch (a list, a dict, a state_dict) is ONE descriptor: a table of the
 // distinct base allocations, one event per device, one lease per producer,
-// then a small record per storage and per tensor. Every count and index is
-// checked against the buffer before use; decode() throws DescriptorError on
-// anything malformed. The payload is the pickled skeleton of the user's object
+// then a small record per storage and per tensor. Each fact is written once:
+// a storage's kind and device are its allocation's. Every count and index is
+// checked against the buffer before use, and every tensor view against its
+// storage with overflow-checked arithmetic; decode() throws DescriptorError
+// on anything malformed, so nothing it returns can reach outside the memory
+// it names. The payload is the pickled skeleton of the user's object
 // (tensors replaced by their index) and is opaque here.
 constexpr uint32_t kMagic = 0x43504954;  // "TIPC"
-constexpr uint16_t kVersion = 1;
+constexpr uint16_t kVersion = 2;
 constexpr uint16_t kNone16 = 0xFFFF;
 constexpr uint32_t kNoAlloc = 0xFFFFFFFF;
 constexpr int kMaxDims = 64;
@@ -47,7 +50,6 @@ struct ProcessId {
 
 struct EventRecord {
   uint16_t device = 0;  // index into devices
-  uint64_t sequence = 0;
   Handle64 handle{};
 };
 
@@ -64,14 +66,15 @@ struct AllocRecord {
   uint16_t device = kNone16;  // index into devices; kNone16 for CPU
   uint16_t lease = 0;         // index into leases
   uint64_t size = 0;          // bytes of the base allocation
-  Handle64 handle{};
-  uint64_t extra = 0;         // kind-specific (VMM: index of the fd in the fd list)
+  Handle64 handle{};          // kind-specific: IPC handle, VMM handle field, shm name
 };
 
 struct StorageRecord {
   uint32_t alloc = kNoAlloc;  // kNoAlloc: an empty storage, no memory behind it
-  AllocKind kind = AllocKind::CudaIpc;
-  uint16_t device = kNone16;
+  // Only for a storage without memory: its device (index into devices), or
+  // kNone16 for CPU. A storage with memory is where its allocation is, and
+  // says kNone16 here.
+  uint16_t empty_device = kNone16;
   uint64_t offset = 0;  // bytes from the base allocation's start
   uint64_t nbytes = 0;
 };
@@ -98,10 +101,14 @@ struct Descriptor {
   std::string payload;
 };
 
+// Where storage `s` lives: CPU (kNone16) or an index into devices.
+uint16_t storage_device(const Descriptor& d, const StorageRecord& s);
+
+// Bytes per element of a dtype code (c10::ScalarType); 0 for codes a
+// descriptor may not carry (unknown, undefined, quantized).
+size_t dtype_itemsize(uint8_t code);
+
 std::string encode(const Descriptor& d);
 Descriptor decode(const void* data, size_t size);  // throws DescriptorError
-// Only the lease table, without checking the rest: for a descriptor this
-// process just encoded.
-std::vector<LeaseRecord> peek_leases(const void* data, size_t size);
 
 }  // namespace torch_ipc

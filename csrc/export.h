@@ -1,12 +1,12 @@
-// Producer side: turn tensors into a descriptor. Owns the base-allocation
-// lookups and their caches, the interprocess event pool, and the export
-// records that keep storages alive until every consumer released them.
+// Producer side: turn tensors into a descriptor. An Export is one sent
+// message: its bytes, and what it asked of leases (an own export that keeps
+// storages alive, and holds taken at other owners for forwarded tensors).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
-#include <cuda.h>
-
+#include <atomic>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -15,26 +15,43 @@
 
 namespace torch_ipc {
 
+class Export {
+ public:
+  Export(std::string data, std::optional<LeaseRecord> own, std::vector<LeaseRecord> forwarded,
+         uint32_t consumers);
+  Export(const Export&) = delete;
+  Export& operator=(const Export&) = delete;
+
+  // The descriptor.
+  const std::string& data() const { return data_; }
+  // True while the message can still be loaded or is still held: our own
+  // export is not reclaimed, or deliveries of forwarded tensors were not
+  // given back yet.
+  bool live() const;
+  // Nobody will load this message any more (its channel closed unread):
+  // give back the loads our own export still expects, so it is reclaimed
+  // once its holders released it, and the pending deliveries held at the
+  // owners of forwarded tensors (Note [forwarding]). Loads that already
+  // happened keep their holds. Idempotent.
+  void revoke();
+
+ private:
+  std::string data_;
+  std::optional<LeaseRecord> own_;
+  std::vector<LeaseRecord> forwarded_;
+  uint32_t consumers_;
+  std::atomic<bool> revoked_{false};
+};
+
 // `is_parameter[i]`: rebuild tensor i as an nn.Parameter (Python knows, C++ does not).
-std::string export_tensors(const std::vector<at::Tensor>& tensors,
-                           const std::vector<bool>& is_parameter, const std::string& payload,
-                           uint32_t consumers);
+std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
+                                       const std::vector<bool>& is_parameter,
+                                       const std::string& payload, uint32_t consumers);
 
-// For a load in this very process: the live storage of one of our exports.
-std::optional<c10::Storage> find_own_storage(const LeaseRecord& lease, AllocKind kind,
-                                             const Handle64& handle, uint64_t offset,
-                                             uint64_t nbytes);
-// One of our pool events, by its IPC handle (nullptr if not ours).
-CUevent find_own_event(const Handle64& handle);
-
-// Reclaim exports whose tokens are spent and whose holders released or died.
-// Returns how many were reclaimed.
+// Reclaim exports whose tokens are spent and whose holders released or died,
+// and drop the VMM exports and cached locations of storages that died.
+// Returns how many exports were reclaimed.
 int collect_exports();
-// Give back the tokens of exports that nobody has loaded yet (their channel
-// closed). `leases` empty: all of this process's exports.
-void revoke_exports(const std::vector<LeaseRecord>& leases);
-
-bool export_is_live(const LeaseRecord& lease);
 
 struct ExportStats {
   int64_t exports, exported_bytes, tokens_pending, holders, dead_holders;

@@ -1,30 +1,42 @@
 #include "import.h"
 
-#include <c10/core/CPUAllocator.h>
 #include <c10/core/ScalarType.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/TensorImpl.h>
 
-#include <atomic>
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <chrono>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
-#include <optional>
 
 #include "cuda_context.h"
 #include "cuda_driver.h"
 #include "errors.h"
-#include "export.h"
+#include "events.h"
 #include "host_memory.h"
 #include "process.h"
 #include "refcount.h"
+#include "registry.h"
 #include "vmm.h"
 
 namespace torch_ipc {
+
+// One allocation of another process, opened in this one. Closed (legacy IPC)
+// or unmapped (host, VMM: their owners below) when the last user lets go.
+struct Mapping {
+  Allocation where;
+  char* base = nullptr;
+  ProcessId producer;
+  std::shared_ptr<void> host;  // the ShmMapping for host memory
+  std::shared_ptr<void> vmm;   // the VmmMapping for CudaVmm (unmaps when dropped)
+  int64_t idle_since_ns = 0;   // set by collect() when no tensor uses it
+  ~Mapping();
+};
+
 namespace {
 
 int64_t now_ns() {
@@ -37,12 +49,6 @@ int64_t env_int(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);
   return v && *v ? std::atoll(v) : fallback;
 }
-
-struct OpenedEvent {
-  CUevent event;
-  int device;
-  ProcessId producer;
-};
 
 // A hold whose tensors are gone, waiting for the GPU work queued on them.
 struct PendingRelease {
@@ -62,10 +68,10 @@ struct PendingRelease {
 // last tensor, since they would keep the producer's freed memory alive.
 // The producer's lease is released already; the open handle may keep the
 // segment's memory until it closes if the producer frees it (empty_cache).
+using MappingKey = std::pair<uint8_t, Handle64>;
 struct Consumer {
   std::recursive_mutex mu;
-  std::map<std::pair<uint8_t, Handle64>, std::shared_ptr<Mapping>> mappings;
-  std::map<Handle64, OpenedEvent> events;
+  std::map<MappingKey, std::shared_ptr<Mapping>> mappings;
   std::vector<PendingRelease> pending;
   std::vector<std::pair<int, CUevent>> spare_events;
   std::atomic<int64_t> holds{0};
@@ -77,6 +83,22 @@ Consumer& consumer() {
   static Consumer* c = new Consumer();  // used by deleters during interpreter exit
   return *c;
 }
+
+// Whether processes live, each asked of /proc once per load or collection.
+class Liveness {
+ public:
+  bool operator()(const ProcessId& p) {
+    auto key = std::make_pair(p.pid, p.start_time);
+    auto it = known_.find(key);
+    if (it == known_.end()) it = known_.emplace(key, process_alive(p)).first;
+    return it->second;
+  }
+
+ private:
+  std::map<std::pair<uint32_t, uint64_t>, bool> known_;
+};
+
+// ---------------------------------------------------------------- release
 
 CUevent take_release_event(Consumer& c, int device) {
   for (auto it = c.spare_events.begin(); it != c.spare_events.end(); ++it) {
@@ -97,10 +119,28 @@ void finish(Consumer& c, PendingRelease& p) {
   --c.holds;
 }
 
+// Whether the GPU work a release waits for has finished. A driver error (a
+// sticky error kills the context, and its work with it) is reported and
+// counts as finished: nothing will ever complete that event.
+bool release_ready(const PendingRelease& p) {
+  for (const auto& [device, e] : p.done) {
+    CUresult r = driver().cuEventQuery(e);
+    if (r == CUDA_ERROR_NOT_READY) return false;
+    if (r != CUDA_SUCCESS)
+      TORCH_WARN("torch_ipc: releasing a hold although ",
+                 driver_error_message("cuEventQuery", r), " for its GPU work");
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------- mapping
+
 // "/torch_ipc.<pid>.<start>.H<n>" and nothing else: a handle is never a path.
 std::string host_name(const Handle64& h) {
   size_t n = 0;
   while (n < h.size() && h[n] != 0) ++n;
+  for (size_t i = n; i < h.size(); ++i)
+    if (h[i] != 0) throw DescriptorError("malformed torch_ipc descriptor: bytes after a shared memory name");
   std::string name(reinterpret_cast<const char*>(h.data()), n);
   unsigned pid = 0, segment = 0;
   unsigned long long start = 0;
@@ -112,267 +152,184 @@ std::string host_name(const Handle64& h) {
   return name;
 }
 
-std::shared_ptr<Mapping> open_mapping(const AllocRecord& a, int device, const ProcessId& owner) {
-  auto m = std::make_shared<Mapping>();
-  m->kind = a.kind;
-  m->device = device;
-  m->size = a.size;
-  m->handle = a.handle;
-  m->producer = owner;
-  if (a.kind == AllocKind::CpuShm) {
-    std::string name = host_name(a.handle);
-    std::shared_ptr<ShmMapping> shm;
-    try {
-      shm = open_host_segment(name, a.size);
-    } catch (const std::runtime_error& e) {
-      throw DescriptorError(std::string("torch_ipc descriptor names shared memory it cannot map: ") + e.what());
-    }
-    if (!shm) {
-      if (!process_alive(owner))
-        throw ProducerGone("torch_ipc: the producer (pid " + std::to_string(owner.pid) +
-                           ") has exited and its shared memory is gone");
-      throw Released("torch_ipc: the shared memory " + name + " was already released by its producer");
-    }
-    m->base = static_cast<char*>(shm->data());
-    m->host = shm;
-    return m;
+void open_host(Mapping& m, const ProcessId& owner) {
+  std::string name = host_name(m.where.handle);
+  std::shared_ptr<ShmMapping> shm = open_host_segment(name, m.where.size);
+  if (!shm) {
+    if (!process_alive(owner)) throw producer_gone(owner.pid, "its shared memory is gone");
+    throw Released("torch_ipc: the shared memory " + name + " was already released by its producer");
   }
-  if (a.kind == AllocKind::CudaVmm) {
-    auto vmm = import_vmm(a.handle, a.size, device, owner);
-    m->base = reinterpret_cast<char*>(vmm->base);
-    m->vmm = std::move(vmm);
-    return m;
-  }
-  if (a.kind != AllocKind::CudaIpc)
-    throw DescriptorError("this build of torch_ipc cannot import allocation kind " +
-                          std::to_string(static_cast<int>(a.kind)));
-  ScopedContext scope(device);
+  m.base = static_cast<char*>(shm->data());
+  m.host = std::move(shm);
+}
+
+void open_legacy(Mapping& m, const ProcessId& owner) {
+  ScopedContext scope(m.where.device);
   CUipcMemHandle h;
-  std::memcpy(h.reserved, a.handle.data(), 64);
+  std::memcpy(h.reserved, m.where.handle.data(), 64);
   CUdeviceptr ptr = 0;
   CUresult r = driver().cuIpcOpenMemHandle(&ptr, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
   if (r != CUDA_SUCCESS) {
-    if (!process_alive(owner))
-      throw ProducerGone("torch_ipc: the producer (pid " + std::to_string(owner.pid) + ") has exited");
+    if (!process_alive(owner)) throw producer_gone(owner.pid, "its CUDA memory is gone with it");
     throw_driver_error("cuIpcOpenMemHandle", r);
   }
-  m->base = reinterpret_cast<char*>(ptr);
+  m.base = reinterpret_cast<char*>(ptr);  // from here m's destructor closes it
   size_t range = 0;
   CUpointer_attribute attr = CU_POINTER_ATTRIBUTE_RANGE_SIZE;
   void* value = &range;
-  CUresult q = driver().cuPointerGetAttributes(1, &attr, &value, ptr);
-  if (q != CUDA_SUCCESS || range < a.size) {
-    // m's destructor closes the handle.
+  TORCH_IPC_CU(cuPointerGetAttributes, 1, &attr, &value, ptr);
+  if (range < m.where.size)
     throw DescriptorError("malformed torch_ipc descriptor: the allocation is " +
                           std::to_string(range) + " bytes, the descriptor says " +
-                          std::to_string(a.size));
+                          std::to_string(m.where.size));
+}
+
+std::shared_ptr<Mapping> open_mapping(const Allocation& where, const ProcessId& owner) {
+  auto m = std::make_shared<Mapping>();
+  m->where = where;
+  m->producer = owner;
+  switch (where.kind) {
+    case AllocKind::CpuShm:
+      open_host(*m, owner);
+      break;
+    case AllocKind::CudaVmm: {
+      auto vmm = import_vmm(where.handle, where.size, where.device, owner);
+      m->base = reinterpret_cast<char*>(vmm->base);
+      m->vmm = std::move(vmm);
+      break;
+    }
+    case AllocKind::CudaIpc:
+      open_legacy(*m, owner);
+      break;
   }
   return m;
 }
 
-std::shared_ptr<Mapping> get_mapping(Consumer& c, const AllocRecord& a, int device,
-                                     const ProcessId& owner) {
-  auto key = std::make_pair(static_cast<uint8_t>(a.kind), a.handle);
+std::shared_ptr<Mapping> get_mapping(Consumer& c, const Allocation& where, const ProcessId& owner) {
+  MappingKey key{static_cast<uint8_t>(where.kind), where.handle};
   std::lock_guard<std::recursive_mutex> lock(c.mu);
   auto it = c.mappings.find(key);
-  if (it != c.mappings.end() && it->second->size >= a.size && it->second->device == device) {
+  if (it != c.mappings.end() && it->second->where.size >= where.size &&
+      it->second->where.device == where.device) {
     it->second->idle_since_ns = 0;
     return it->second;
   }
-  auto m = open_mapping(a, device, owner);
+  auto m = open_mapping(where, owner);
   c.mappings[key] = m;
   return m;
 }
 
-void wait_event(Consumer& c, const EventRecord& e, int device, const ProcessId& producer) {
-  CUevent event = nullptr;
-  if (producer == self_process()) {
-    event = find_own_event(e.handle);
-  } else {
-    std::lock_guard<std::recursive_mutex> lock(c.mu);
-    auto it = c.events.find(e.handle);
-    if (it != c.events.end()) {
-      event = it->second.event;
-    } else {
-      ScopedContext scope(device);
-      CUipcEventHandle h;
-      std::memcpy(h.reserved, e.handle.data(), 64);
-      CUresult r = driver().cuIpcOpenEventHandle(&event, h);
-      if (r != CUDA_SUCCESS) {
-        if (!process_alive(producer))
-          throw ProducerGone("torch_ipc: the producer (pid " + std::to_string(producer.pid) + ") has exited");
-        throw_driver_error("cuIpcOpenEventHandle", r);
-      }
-      c.events.emplace(e.handle, OpenedEvent{event, device, producer});
-    }
-  }
-  if (event == nullptr) throw DescriptorError("malformed torch_ipc descriptor: unknown event");
-  ScopedContext scope(device);
-  TORCH_IPC_CU(cuStreamWaitEvent, current_stream(device), event, 0);
-}
+// ---------------------------------------------------------------- the steps of a load
 
-c10::ScalarType checked_dtype(uint8_t code) {
-  if (code >= static_cast<uint8_t>(c10::ScalarType::NumOptions) ||
-      code == static_cast<uint8_t>(c10::ScalarType::Undefined))
-    throw DescriptorError("malformed torch_ipc descriptor: unknown dtype code " + std::to_string(code));
-  auto dtype = static_cast<c10::ScalarType>(code);
-  if (c10::isQIntType(dtype))
-    throw DescriptorError("torch_ipc cannot rebuild quantized dtype " + std::string(c10::toString(dtype)));
-  return dtype;
-}
-
-void check_view_fits(const TensorRecord& t, size_t itemsize, uint64_t nbytes) {
-  int64_t numel = 1;
-  for (int64_t size : t.sizes)
-    if (__builtin_mul_overflow(numel, size, &numel))
-      throw DescriptorError("malformed torch_ipc descriptor: a tensor's element count overflows");
-  unsigned __int128 last = static_cast<uint64_t>(t.storage_offset);
-  for (size_t i = 0; i < t.sizes.size(); ++i) {
-    if (t.sizes[i] == 0) return;  // an empty view touches no memory
-    last += static_cast<unsigned __int128>(t.sizes[i] - 1) * static_cast<uint64_t>(t.strides[i]);
-  }
-  if ((last + 1) * itemsize > nbytes)
-    throw DescriptorError("malformed torch_ipc descriptor: a tensor view runs past its storage");
-}
-
-c10::Storage empty_storage(c10::Device device) {
-  return c10::Storage(c10::Storage::use_byte_size_t(), 0,
-                      c10::DataPtr(nullptr, device), nullptr, false);
-}
-
-}  // namespace
-
-Mapping::~Mapping() {
-  if (in_forked_child()) {  // CUDA is unusable here, and the mapping is the parent's
-    new std::shared_ptr<void>(std::move(vmm));
-    return;
-  }
-  if (kind == AllocKind::CudaIpc && base != nullptr) {
-    try {
-      ScopedContext scope(device);
-      TORCH_IPC_CU_WARN(cuIpcCloseMemHandle, reinterpret_cast<CUdeviceptr>(base));
-    } catch (const std::exception& e) {
-      TORCH_WARN("torch_ipc: closing a mapping failed: ", e.what());
-    }
-  }
-}
-
-Hold::~Hold() {
-  if (in_forked_child()) {  // the hold is the parent's to release
-    new std::vector<std::shared_ptr<Mapping>>(std::move(mappings));
-    return;
-  }
-  Consumer& c = consumer();
-  std::lock_guard<std::recursive_mutex> lock(c.mu);
-  PendingRelease p{lease, {}, std::move(mappings)};
-  try {
-    for (const auto& m : p.mappings) {
-      if (m->kind == AllocKind::CpuShm) continue;
-      bool seen = false;
-      for (auto& de : p.done) seen = seen || de.first == m->device;
-      if (seen) continue;
-      ScopedContext scope(m->device);
-      CUevent e = take_release_event(c, m->device);
-      TORCH_IPC_CU(cuEventRecord, e, current_stream(m->device));
-      p.done.emplace_back(m->device, e);
-    }
-  } catch (const std::exception& e) {
-    TORCH_WARN("torch_ipc: could not order a release after GPU work (", e.what(),
-               "); releasing after a device synchronize");
-    for (auto& de : p.done) c.spare_events.push_back(de);
-    p.done.clear();
-  }
-  if (p.done.empty()) {
-    finish(c, p);
-  } else {
-    c.pending.push_back(std::move(p));
-  }
-}
-
-void delete_imported_storage(void* ctx) { delete static_cast<ImportedStorage*>(ctx); }
-
-ImportResult import_tensors(const std::string& data) {
-  check_not_forked();
+// Step 1: a descriptor of this machine's boot whose producer lives.
+Descriptor decode_and_check(const std::string& data, Liveness& alive) {
   Descriptor d = decode(data.data(), data.size());
   if (d.boot_id != boot_id())
     throw DescriptorError(
         "torch_ipc descriptor comes from another machine or from before this machine's last "
         "boot; handles are valid only on the machine and boot that made them");
-  const bool same_process = d.producer == self_process();
-  if (!same_process && !process_alive(d.producer))
-    throw ProducerGone("torch_ipc: the producer (pid " + std::to_string(d.producer.pid) +
-                       ") has exited; its CUDA memory is gone with it");
-  Consumer& c = consumer();
+  if (d.producer != self_process() && !alive(d.producer))
+    throw producer_gone(d.producer.pid, "its CUDA memory is gone with it");
+  return d;
+}
 
+std::vector<int> local_devices(const Descriptor& d) {
   std::vector<int> local(d.devices.size());
   for (size_t i = 0; i < d.devices.size(); ++i) local[i] = device_for_uuid(d.devices[i]);
+  return local;
+}
 
-  // Leases first: from here on the producer cannot reclaim what we build on.
+// Step 2: holds, one per lease, before anything is mapped: from here on the
+// owners cannot reclaim what we build on. A lease of our own export needs no
+// hold (its storages keep it): it is only checked, and left null.
+std::vector<std::shared_ptr<Hold>> take_holds(Consumer& c, const Descriptor& d, Liveness& alive) {
   std::vector<std::shared_ptr<Hold>> holds(d.leases.size());
   for (size_t i = 0; i < d.leases.size(); ++i) {
     const LeaseRecord& l = d.leases[i];
     const bool forwarded = l.owner != d.producer;  // Note [forwarding] in export.cpp
     if (l.owner == self_process()) {
-      // Our own export: the storages themselves keep it; just check it lives.
       lease_take_token(l, /*take=*/!forwarded);
-      if (forwarded) lease_remove_deliveries(l, d.producer.pid, 1);
-      continue;
+    } else {
+      if (forwarded && !alive(l.owner)) throw producer_gone(l.owner.pid, "the memory it owned is gone");
+      lease_hold(l, /*take_token=*/!forwarded);
+      ++c.holds;
+      holds[i] = std::make_shared<Hold>();
+      holds[i]->lease = l;
     }
-    if (forwarded && !process_alive(l.owner))
-      throw ProducerGone("torch_ipc: the process that owns this memory (pid " +
-                         std::to_string(l.owner.pid) + ") has exited");
-    lease_hold(l, /*take_token=*/!forwarded);
     if (forwarded) lease_remove_deliveries(l, d.producer.pid, 1);
-    ++c.holds;
-    holds[i] = std::make_shared<Hold>();
-    holds[i]->lease = l;
   }
+  return holds;
+}
 
-  for (const EventRecord& e : d.events) wait_event(c, e, local[e.device], d.producer);
+// Step 3: order. Torch's current stream waits for the producer's writes.
+void wait_for_producer(const Descriptor& d, const std::vector<int>& local) {
+  for (const EventRecord& e : d.events)
+    wait_export_event(e.handle, local[e.device], d.producer,
+                      [](const ProcessId& p) { return process_alive(p); });
+}
 
+Allocation allocation_of(const AllocRecord& a, const std::vector<int>& local) {
+  return Allocation{a.kind, a.kind == AllocKind::CpuShm ? -1 : local[a.device], a.handle, a.size};
+}
+
+// Step 4: map every allocation that is not ours, once per process.
+std::vector<std::shared_ptr<Mapping>> map_allocations(Consumer& c, const Descriptor& d,
+                                                      const std::vector<int>& local,
+                                                      const std::vector<std::shared_ptr<Hold>>& holds) {
   std::vector<std::shared_ptr<Mapping>> mapped(d.allocs.size());
   for (size_t i = 0; i < d.allocs.size(); ++i) {
     const AllocRecord& a = d.allocs[i];
-    if (!holds[a.lease]) continue;  // ours: resolved by storage below
-    int device = a.kind == AllocKind::CpuShm ? -1 : local[a.device];
-    mapped[i] = get_mapping(c, a, device, d.leases[a.lease].owner);
+    if (!holds[a.lease]) continue;  // ours: resolved by storage
+    mapped[i] = get_mapping(c, allocation_of(a, local), d.leases[a.lease].owner);
     holds[a.lease]->mappings.push_back(mapped[i]);
   }
+  return mapped;
+}
 
+c10::Device device_of(const Descriptor& d, const StorageRecord& s, const std::vector<int>& local) {
+  uint16_t device = storage_device(d, s);
+  if (device == kNone16) return c10::Device(c10::DeviceType::CPU);
+  return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(local[device]));
+}
+
+// Step 5: storages on the mapped memory (or our own storages, for a load in
+// the process that exported).
+std::vector<c10::Storage> build_storages(const Descriptor& d, const std::vector<int>& local,
+                                         const std::vector<std::shared_ptr<Hold>>& holds,
+                                         const std::vector<std::shared_ptr<Mapping>>& mapped) {
   std::vector<c10::Storage> storages;
   storages.reserve(d.storages.size());
   for (const StorageRecord& s : d.storages) {
-    c10::Device device = s.kind == AllocKind::CpuShm
-                             ? c10::Device(c10::DeviceType::CPU)
-                             : c10::Device(c10::DeviceType::CUDA,
-                                           static_cast<c10::DeviceIndex>(local[s.device]));
+    const c10::Device device = device_of(d, s, local);
     if (s.alloc == kNoAlloc) {
-      storages.push_back(empty_storage(device));
+      storages.emplace_back(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, device), nullptr,
+                            false);
       continue;
     }
     const AllocRecord& a = d.allocs[s.alloc];
     if (!holds[a.lease]) {
-      auto own = find_own_storage(d.leases[a.lease], a.kind, a.handle, s.offset, s.nbytes);
-      if (!own)
-        throw Released("torch_ipc: this export was already released by this process");
+      auto own = find_exported_storage(d.leases[a.lease], Location{allocation_of(a, local), s.offset},
+                                       s.nbytes);
+      if (!own) throw Released("torch_ipc: this export was already released by this process");
       storages.push_back(*own);
       continue;
     }
-    Mapping* m = mapped[s.alloc].get();
-    auto* ctx = new ImportedStorage{holds[a.lease], m, s.offset};
-    c10::DataPtr ptr(m->base + s.offset, ctx, &delete_imported_storage, device);
+    const Mapping& m = *mapped[s.alloc];
+    c10::DataPtr ptr = imported_data_ptr(m.base + s.offset, holds[a.lease], Location{m.where, s.offset},
+                                         device);
     storages.emplace_back(c10::Storage::use_byte_size_t(), s.nbytes, std::move(ptr), nullptr, false);
   }
-  holds.clear();  // now owned by the storages alone
+  return storages;
+}
 
-  ImportResult out;
-  out.payload = std::move(d.payload);
+// Step 6: the tensors, views the decoder already checked against their
+// storages (Note [view bounds] in descriptor.cpp).
+void build_tensors(const Descriptor& d, const std::vector<c10::Storage>& storages, ImportResult& out) {
   out.tensors.reserve(d.tensors.size());
   out.is_parameter.reserve(d.tensors.size());
   for (const TensorRecord& t : d.tensors) {
-    c10::ScalarType dtype = checked_dtype(t.dtype);
+    const auto dtype = static_cast<c10::ScalarType>(t.dtype);
     const c10::Storage& storage = storages[t.storage];
-    check_view_fits(t, c10::elementSize(dtype), storage.nbytes());
     c10::DispatchKeySet keys(storage.device_type() == c10::DeviceType::CUDA ? c10::DispatchKey::CUDA
                                                                             : c10::DispatchKey::CPU);
     auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(storage), keys,
@@ -384,14 +341,81 @@ ImportResult import_tensors(const std::string& data) {
       throw DescriptorError(std::string("malformed torch_ipc descriptor: ") + e.what_without_backtrace());
     }
     at::Tensor tensor(std::move(impl));
-    if (t.flags & kRequiresGrad) {
-      if (!c10::isFloatingType(dtype) && !c10::isComplexType(dtype))
-        throw DescriptorError("malformed torch_ipc descriptor: requires_grad on an integer tensor");
-      tensor.set_requires_grad(true);
-    }
+    if (t.flags & kRequiresGrad) tensor.set_requires_grad(true);
     out.tensors.push_back(std::move(tensor));
     out.is_parameter.push_back(t.flags & kParameter);
   }
+}
+
+}  // namespace
+
+Mapping::~Mapping() {
+  if (in_forked_child()) {  // CUDA is unusable here, and the mapping is the parent's
+    new std::shared_ptr<void>(std::move(vmm));
+    return;
+  }
+  if (where.kind == AllocKind::CudaIpc && base != nullptr) {
+    try {
+      ScopedContext scope(where.device);
+      TORCH_IPC_CU_WARN(cuIpcCloseMemHandle, reinterpret_cast<CUdeviceptr>(base));
+    } catch (const std::exception& e) {
+      TORCH_WARN("torch_ipc: closing a mapping failed: ", e.what());
+    }
+  }
+}
+
+// Note [deferred release]
+// A consumer's tensors may die while GPU work it queued on them still runs:
+// releasing the hold at once would let the producer reuse memory the GPU is
+// still reading. So the release records an event on torch's current stream
+// of each device it used and is finished by collect_imports() once those
+// events completed; the host never waits.
+Hold::~Hold() {
+  if (in_forked_child()) {  // the hold is the parent's to release
+    new std::vector<std::shared_ptr<Mapping>>(std::move(mappings));
+    return;
+  }
+  Consumer& c = consumer();
+  std::lock_guard<std::recursive_mutex> lock(c.mu);
+  PendingRelease p{lease, {}, std::move(mappings)};
+  try {
+    for (const auto& m : p.mappings) {
+      const int device = m->where.device;
+      if (m->where.kind == AllocKind::CpuShm) continue;
+      if (std::any_of(p.done.begin(), p.done.end(), [&](auto& de) { return de.first == device; }))
+        continue;
+      ScopedContext scope(device);
+      CUevent e = take_release_event(c, device);
+      p.done.emplace_back(device, e);
+      TORCH_IPC_CU(cuEventRecord, e, current_stream(device));
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN("torch_ipc: could not order a release after GPU work (", e.what(),
+               "); releasing now");
+    for (auto& de : p.done) c.spare_events.push_back(de);
+    p.done.clear();
+  }
+  if (p.done.empty()) {
+    finish(c, p);
+  } else {
+    c.pending.push_back(std::move(p));
+  }
+}
+
+ImportResult import_tensors(const std::string& data) {
+  check_not_forked();
+  Consumer& c = consumer();
+  Liveness alive;
+  Descriptor d = decode_and_check(data, alive);
+  const std::vector<int> local = local_devices(d);
+  std::vector<std::shared_ptr<Hold>> holds = take_holds(c, d, alive);
+  wait_for_producer(d, local);
+  std::vector<std::shared_ptr<Mapping>> mapped = map_allocations(c, d, local, holds);
+  std::vector<c10::Storage> storages = build_storages(d, local, holds, mapped);
+  holds.clear();  // now owned by the storages alone
+  ImportResult out;
+  out.payload = std::move(d.payload);
+  build_tensors(d, storages, out);
   return out;
 }
 
@@ -399,14 +423,10 @@ void collect_imports(bool close_idle) {
   if (in_forked_child()) return;
   Consumer& c = consumer();
   std::vector<std::shared_ptr<Mapping>> closing;  // closed after the lock
+  Liveness alive;
   std::lock_guard<std::recursive_mutex> lock(c.mu);
   for (size_t i = 0; i < c.pending.size();) {
-    bool ready = true;
-    for (auto& [device, e] : c.pending[i].done) {
-      CUresult r = driver().cuEventQuery(e);
-      if (r == CUDA_ERROR_NOT_READY) ready = false;
-    }
-    if (ready) {
+    if (release_ready(c.pending[i])) {
       finish(c, c.pending[i]);
       closing.insert(closing.end(), c.pending[i].mappings.begin(), c.pending[i].mappings.end());
       c.pending.erase(c.pending.begin() + i);
@@ -414,21 +434,14 @@ void collect_imports(bool close_idle) {
       ++i;
     }
   }
-  std::map<std::pair<uint32_t, uint64_t>, bool> alive;  // one /proc read per producer
-  auto producer_alive = [&](const ProcessId& p) {
-    auto key = std::make_pair(p.pid, p.start_time);
-    auto it = alive.find(key);
-    if (it == alive.end()) it = alive.emplace(key, process_alive(p)).first;
-    return it->second;
-  };
   int64_t now = now_ns();
-  std::vector<std::pair<int64_t, std::map<std::pair<uint8_t, Handle64>, std::shared_ptr<Mapping>>::iterator>> idle;
+  std::vector<std::pair<int64_t, decltype(c.mappings)::iterator>> idle;
   for (auto it = c.mappings.begin(); it != c.mappings.end();) {
     Mapping& m = *it->second;
     if (it->second.use_count() > 1) {
       m.idle_since_ns = 0;
       ++it;
-    } else if (m.kind != AllocKind::CudaIpc) {
+    } else if (m.where.kind != AllocKind::CudaIpc) {
       // Host and VMM memory: an idle mapping would keep physical memory that its
       // producer freed (host mapping again costs microseconds). Closed at once,
       // and not counted against TORCH_IPC_IDLE_MAPPINGS, which bounds legacy ones.
@@ -442,22 +455,14 @@ void collect_imports(bool close_idle) {
   std::sort(idle.begin(), idle.end(), [](auto& a, auto& b) { return a.first < b.first; });
   int64_t over = static_cast<int64_t>(idle.size()) - c.max_idle;
   for (auto& [since, it] : idle) {
-    bool close = close_idle || over-- > 0 || now - since > c.idle_ns ||
-                 !producer_alive(it->second->producer);
+    bool close = close_idle || over-- > 0 || now - since > c.idle_ns || !alive(it->second->producer);
     if (close) {
       closing.push_back(std::move(it->second));
       c.mappings.erase(it);
     }
   }
   lease_drop_dead_segments();
-  for (auto it = c.events.begin(); it != c.events.end();) {
-    if (!producer_alive(it->second.producer)) {
-      TORCH_IPC_CU_WARN(cuEventDestroy, it->second.event);
-      it = c.events.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  close_events_of_dead([&](const ProcessId& p) { return alive(p); });
 }
 
 void flush_imports() {
@@ -467,7 +472,8 @@ void flush_imports() {
   for (auto& p : c.pending) {
     for (auto& [device, e] : p.done) {
       CUresult r = driver().cuEventSynchronize(e);
-      (void)r;  // released either way: at exit nothing else will
+      if (r != CUDA_SUCCESS)  // released either way: at exit nothing else will
+        TORCH_WARN("torch_ipc: at exit, ", driver_error_message("cuEventSynchronize", r));
     }
     finish(c, p);
   }
@@ -482,7 +488,7 @@ ImportStats import_stats() {
   s.pending_releases = static_cast<int64_t>(c.pending.size());
   s.mappings_open = static_cast<int64_t>(c.mappings.size());
   for (auto& [k, m] : c.mappings) s.mappings_idle += m.use_count() == 1;
-  s.events_open = static_cast<int64_t>(c.events.size());
+  s.events_open = events_open();
   return s;
 }
 

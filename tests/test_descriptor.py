@@ -119,9 +119,8 @@ def layout(data: bytes) -> Tuple[Dict[str, Any], List[Field]]:
     for i in range(n_ev):
         (dev,) = struct.unpack_from("<H", data, add(2, f"event[{i}].device", True))
         add(6, f"event[{i}].pad", False)
-        (seq,) = struct.unpack_from("<Q", data, add(8, f"event[{i}].sequence", False))
         add(64, f"event[{i}].handle", False)
-        d["events"].append(dict(device=dev, sequence=seq))
+        d["events"].append(dict(device=dev))
     d["leases"] = []
     for i in range(n_lease):
         base = off
@@ -143,8 +142,6 @@ def layout(data: bytes) -> Tuple[Dict[str, Any], List[Field]]:
         add(2, f"alloc[{i}].pad2", False)
         add(8, f"alloc[{i}].size", False)
         add(64, f"alloc[{i}].handle", False)
-        add(8, f"alloc[{i}].extra", False)
-        add(8, f"alloc[{i}].reserved", False)
         kind, _p, dev, lease, _p2, size = struct.unpack_from("<BBHHHQ", data, base)
         handle = data[base + 16:base + 80]
         d["allocs"].append(dict(offset=base, kind=kind, device=dev, lease=lease, size=size, handle=handle))
@@ -152,13 +149,14 @@ def layout(data: bytes) -> Tuple[Dict[str, Any], List[Field]]:
     for i in range(n_stor):
         base = off
         add(4, f"storage[{i}].alloc", False)
-        add(1, f"storage[{i}].kind", True)
-        add(1, f"storage[{i}].pad", False)
+        # a storage with memory names no device (its allocation's is used); one
+        # without names CPU (0xFFFF) or a device index: no other value decodes
         add(2, f"storage[{i}].device", True)
+        add(2, f"storage[{i}].pad", False)
         add(8, f"storage[{i}].offset", False)
         add(8, f"storage[{i}].nbytes", False)
-        alloc, kind, _p, dev, soff, nbytes = struct.unpack_from("<IBBHQQ", data, base)
-        d["storages"].append(dict(offset=base, alloc=alloc, kind=kind, device=dev, byte_offset=soff, nbytes=nbytes))
+        alloc, dev, _p, soff, nbytes = struct.unpack_from("<IHHQQ", data, base)
+        d["storages"].append(dict(offset=base, alloc=alloc, device=dev, byte_offset=soff, nbytes=nbytes))
     d["tensors"] = []
     for i in range(n_tens):
         base = off
@@ -258,7 +256,7 @@ def test_layout_round_trip():
     assert fields[0].start == 0 and fields[-1].end == len(data) == d["end"]
     assert all(a.end == b.start for a, b in zip(fields, fields[1:]))
     # Header
-    assert d["magic"] == b"TIPC" and d["version"] == 1 and d["total"] == len(data) and d["reserved"] == 0
+    assert d["magic"] == b"TIPC" and d["version"] == 2 and d["total"] == len(data) and d["reserved"] == 0
     assert d["checksum"] == checksum(data), "the checksum as Note [descriptor checksum] says"
     assert d["flags"] == FLAG_HAS_CPU
     assert d["pid"] == r["pid"] and d["start_time"] == r["start_time"] and d["boot"] == r["boot"]
@@ -283,7 +281,7 @@ def test_layout_round_trip():
     assert len(d["storages"]) == len(set(groups))
     for t, want in zip(d["tensors"], expected):
         s = d["storages"][t["storage"]]
-        assert s["kind"] == KIND_CPU_SHM and s["device"] == NONE16
+        assert s["device"] == NONE16
         assert s["nbytes"] == want["nbytes"]
         if want["nbytes"] == 0:
             assert s["alloc"] == NO_ALLOC
@@ -294,7 +292,7 @@ def test_layout_round_trip():
             assert a["handle"].startswith(b"/torch_ipc.")
     # describe() agrees with the bytes.
     desc = r["describe"]
-    assert desc["version"] == 1 and desc["producer_pid"] == r["pid"]
+    assert desc["version"] == 2 and desc["producer_pid"] == r["pid"]
     for key, table in [("n_devices", "devices"), ("n_events", "events"), ("n_leases", "leases"),
                        ("n_allocs", "allocs"), ("n_storages", "storages"), ("n_tensors", "tensors")]:  # fmt: skip
         assert desc[key] == len(d[table]), key
@@ -348,7 +346,7 @@ def malformed_cases(data: bytes, seed: int, same_process: bool = False) -> List[
         ("magic TIPD", b"TIPD" + data[4:], DE),
         ("magic byte-swapped", b"CPIT" + data[4:], DE),
     ]
-    for version in (0, 2, 0x100, 0xFFFF):
+    for version in (0, 1, 3, 0x100, 0xFFFF):
         cases.append((f"version {version}", patch(data, 4, "<H", version), DE))
     for flag in (4, 0x100, 0x8000):
         cases.append((f"unknown flag {flag:#x}", patch(data, 6, "<H", d["flags"] | flag), DE))
@@ -408,9 +406,8 @@ def malformed_cases(data: bytes, seed: int, same_process: bool = False) -> List[
     for i, s in enumerate(d["storages"]):
         so = s["offset"]
         cases += [
-            (f"storage[{i}] kind 0", patch(data, so + 4, "<B", 0), DE),
-            (f"storage[{i}] kind CUDA", patch(data, so + 4, "<B", 1), DE),
-            (f"storage[{i}] names a GPU", patch(data, so + 6, "<H", 0), DE),
+            (f"storage[{i}] names a GPU", patch(data, so + 4, "<H", 0), DE),
+            (f"storage[{i}] padding set", patch(data, so + 6, "<H", 1), DE),
             (f"storage[{i}] alloc out of range", patch(data, so, "<I", len(d["allocs"])), DE),
         ]
         if s["alloc"] == NO_ALLOC:
@@ -451,6 +448,14 @@ def malformed_cases(data: bytes, seed: int, same_process: bool = False) -> List[
                 (f"tensor[{i}] size*stride overflows", patch(patch(data, sz, "<q", 1 << 62), st, "<q", 1 << 62), DE),
                 (f"tensor[{i}] huge sizes", seal(data[:sz] + struct.pack(f"<{ndim}q", *[1 << 31] * ndim) + data[st:]), DE),
             ]  # fmt: skip
+            # Extents whose byte count wraps in 64 bits for 8- and 16-byte dtypes:
+            # (last element + 1) * itemsize lands just past 2**64, i.e. on a few bytes.
+            for dtype, itemsize in [(SCALAR_TYPE[torch.float64], 8), (10, 16)]:  # 10: complex128
+                wrap = patch(data, to + 4, "<B", dtype)
+                wrap = patch(patch(wrap, sz, "<q", 2), st, "<q", 2**64 // itemsize - 1)
+                cases.append((f"tensor[{i}] extent wraps for itemsize {itemsize}", wrap, DE))
+                wrap = patch(patch(wrap, st, "<q", 1), to + 8, "<q", 2**64 // itemsize - 1)
+                cases.append((f"tensor[{i}] offset wraps for itemsize {itemsize}", wrap, DE))
     return cases
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_ipc
-from torch_ipc import _C
+from torch_ipc import _C, _serialize
 from torch_ipc.testing import Peer
 
 import ipc_test_utils as u
@@ -36,11 +36,20 @@ def _relay_one(d):
     return data
 
 
-def _wait_live(keys, want, timeout=10.0):
+def _export(obj, consumers=1):
+    """An _C.Export: its .data is what torch_ipc.dumps(obj) returns."""
+    return _serialize.export(*_serialize.split(obj), consumers=consumers)
+
+
+def _live(exports):
+    return [e for e in exports if e.live]
+
+
+def _wait_live(exports, want, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         torch_ipc.collect()
-        if _C.live_leases(keys) == want:
+        if _live(exports) == want:
             return True
         time.sleep(0.05)
     return False
@@ -48,8 +57,8 @@ def _wait_live(keys, want, timeout=10.0):
 
 def test_relayed_tensors_from_one_allocation_keep_both_leases():
     x = torch.arange(8.0)
-    d1, d2 = torch_ipc.dumps(x[:4]), torch_ipc.dumps(x[4:])  # two exports, one allocation
-    keys = [_C.sent_leases(d1)[0], _C.sent_leases(d2)[0]]
+    e1, e2 = _export(x[:4]), _export(x[4:])  # two exports, one allocation
+    d1, d2, keys = e1.data, e2.data, [e1, e2]
     with Peer(timeout=TIMEOUT) as relay, Peer(timeout=TIMEOUT) as third:
         d3 = relay.call(_relay, d1, d2)
         info = _C.describe(d3)
@@ -57,7 +66,7 @@ def test_relayed_tensors_from_one_allocation_keep_both_leases():
         third.call(u.load, "z", d3)
         relay.close()  # the relay is gone; the third process still holds both
         time.sleep(0.3)
-        assert _C.live_leases(keys) == keys, "an export was reclaimed under a living holder"
+        assert _live(keys) == keys, "an export was reclaimed under a living holder"
         assert third.call(u.held_fingerprint, "z") == u.fingerprint({"a": x[:4], "b": x[4:]})
         third.call(u.drop, "z")
         assert _wait_live(keys, []), "exports not reclaimed after the last holder dropped them"
@@ -65,11 +74,11 @@ def test_relayed_tensors_from_one_allocation_keep_both_leases():
 
 def test_owner_revoking_its_tokens_keeps_a_forwarded_delivery():
     x = torch.randn(16)
-    d = torch_ipc.dumps(x)
-    key = _C.sent_leases(d)[0]
+    key = _export(x)
+    d = key.data
     with Peer(timeout=TIMEOUT) as relay, Peer(timeout=TIMEOUT) as third:
         d2 = relay.call(_relay_one, d)  # the relay loaded (took the token) and dropped
-        _C.revoke_leases([key])  # as a closing connection to the relay would
+        key.revoke()  # as a closing connection to the relay would
         time.sleep(0.3)
         third.call(u.load, "y", d2)  # still deliverable: the relay's extra hold kept it
         assert third.call(u.held_fingerprint, "y") == u.fingerprint(x)
@@ -80,11 +89,11 @@ def test_owner_revoking_its_tokens_keeps_a_forwarded_delivery():
 
 def test_forwarded_delivery_is_given_back_if_the_relay_dies_first():
     x = torch.randn(16)
-    d = torch_ipc.dumps(x)
-    key = _C.sent_leases(d)[0]
+    key = _export(x)
+    d = key.data
     with Peer(timeout=TIMEOUT) as relay:
         relay.call(_relay_one, d)  # never delivered
-        assert _C.live_leases([key]) == [key]
+        assert key.live
         relay.kill()
     assert _wait_live([key], []), "the relay's pending delivery pinned the export"
 
@@ -107,8 +116,8 @@ def _fork_child(conn, data):
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_forked_child_refuses_and_leaves_the_parent_alone():
     x = torch.randn(8)
-    d = torch_ipc.dumps(x, consumers=2)
-    key = _C.sent_leases(d)[0]
+    key = _export(x, consumers=2)
+    d = key.data
     ctx = mp.get_context("fork")
     a, b = ctx.Pipe()
     p = ctx.Process(target=_fork_child, args=(b, d))
@@ -121,7 +130,7 @@ def test_forked_child_refuses_and_leaves_the_parent_alone():
         if p.is_alive():
             p.kill()
     assert all("spawn" in msg for msg in out), out
-    assert _C.live_leases([key]) == [key]
+    assert key.live
     with Peer(timeout=TIMEOUT) as consumer:  # the parent's export is intact and loadable
         consumer.call(u.load, "x", d)
         assert consumer.call(u.held_fingerprint, "x") == u.fingerprint(x)
@@ -140,8 +149,8 @@ def _relay_and_keep(d):
 
 def test_extra_loads_of_a_forwarded_descriptor_do_not_take_the_relays_own_hold():
     x = torch.randn(16)
-    d = torch_ipc.dumps(x)
-    key = _C.sent_leases(d)[0]
+    key = _export(x)
+    d = key.data
     with Peer(timeout=TIMEOUT) as relay, Peer(timeout=TIMEOUT) as third:
         d2 = relay.call(_relay_and_keep, d)
         third.call(u.load, "a", d2)
@@ -149,7 +158,7 @@ def test_extra_loads_of_a_forwarded_descriptor_do_not_take_the_relays_own_hold()
         third.call(u.drop)
         time.sleep(0.3)
         torch_ipc.collect()
-        assert _C.live_leases([key]) == [key], "reclaimed while the relay still holds its view"
+        assert key.live, "reclaimed while the relay still holds its view"
         relay.close()
         assert _wait_live([key], [])
 
@@ -157,8 +166,8 @@ def test_extra_loads_of_a_forwarded_descriptor_do_not_take_the_relays_own_hold()
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_forked_child_dropping_a_shared_tensor_keeps_the_parents_segment():
     x = torch.arange(1000.0)
-    d = torch_ipc.dumps(x)
-    key = _C.sent_leases(d)[0]
+    key = _export(x)
+    d = key.data
     with Peer(timeout=TIMEOUT) as consumer:
         consumer.call(u.load, "x", d)
         consumer.call(u.drop, "x")
@@ -183,6 +192,7 @@ def _listen_and_hang_up(path, authkey):
     with torch_ipc.listen(path, authkey=authkey) as listener:
         conn = listener.accept()
         assert conn.recv() == "next comes a tensor"
+        assert conn.poll(60)  # the tensor's message has arrived (a close before it would break the relay's send)
         conn.close()  # without loading it
     return True
 
@@ -201,8 +211,8 @@ def _relay_over_connection(d, path, authkey):
 
 def test_relay_gives_back_a_delivery_its_peer_never_loaded(tmp_path):
     x = torch.randn(64)
-    d = torch_ipc.dumps(x)
-    key = _C.sent_leases(d)[0]
+    key = _export(x)
+    d = key.data
     path, authkey = str(tmp_path / "sock"), os.urandom(16)
     with Peer(timeout=TIMEOUT) as relay, Peer(timeout=TIMEOUT) as hangs_up:
         hangs_up.start_call(_listen_and_hang_up, path, authkey)
@@ -223,7 +233,7 @@ def test_a_connection_over_a_pipe_does_not_break_the_checks():
 
     a, b = Pipe(duplex=False)
     conn = Connection(a, os.getpid())
-    conn._sent.append((0, 0, 2**63))  # as if something had been sent on it (no live export has it)
+    conn._sent.append(_export(torch.zeros(2)))  # as if it had been sent on it
     _check_peers()  # must not raise
     assert conn._peer_closed() is False
     conn.close()

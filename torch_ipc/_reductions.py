@@ -51,7 +51,7 @@ def _dumps(cls, obj, protocol=None):
     tensors, parameters, payload = _serialize.split(obj)
     if not tensors:  # pickled exactly as multiprocessing would, already
         return _serialize.plain_pickle(payload)
-    descriptor = _serialize.export(tensors, parameters, payload)
+    descriptor = _serialize.export(tensors, parameters, payload).data
     return memoryview(pickle.dumps(_Message(descriptor), pickle.HIGHEST_PROTOCOL))
 
 

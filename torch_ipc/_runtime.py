@@ -4,14 +4,17 @@ Note [collector thread]
 Releases are deferred (a consumer releases only after its GPU work on the
 memory finished) and a producer reclaims an export only when its consumers
 released it or died. Somebody has to look: a daemon thread calls
-``_C.collect()`` every TORCH_IPC_COLLECT_INTERVAL seconds (default 0.05). It
-runs with the GIL, so the storages it drops are dropped as from Python code.
+``_C.collect()`` every TORCH_IPC_COLLECT_INTERVAL seconds (default 0.05), then
+the hooks other modules registered with :func:`on_collect` (connections check
+their peers there). It runs with the GIL, so the storages it drops are
+dropped as from Python code.
 """
 
 import atexit
 import os
 import threading
 import warnings
+from typing import Callable, List
 
 from . import _C
 
@@ -19,6 +22,12 @@ _lock = threading.Lock()
 _started = False
 _stop = threading.Event()
 _pid = -1  # the process that started the collector
+_hooks: List[Callable[[], None]] = []
+
+
+def on_collect(hook: Callable[[], None]) -> None:
+    """Call ``hook()`` after every background collection."""
+    _hooks.append(hook)
 
 
 def _interval() -> float:
@@ -30,13 +39,11 @@ def _interval() -> float:
 
 def _loop(interval: float) -> None:
     while not _stop.wait(interval):
-        try:
-            _C.collect(False)
-            from . import connection
-
-            connection._check_peers()
-        except Exception as e:  # never let the thread die silently
-            warnings.warn(f"torch_ipc collector: {e!r}", RuntimeWarning)
+        for step in [lambda: _C.collect(False), *_hooks]:
+            try:
+                step()
+            except Exception as e:  # never let the thread die silently
+                warnings.warn(f"torch_ipc collector: {e!r}", RuntimeWarning)
 
 
 def ensure_started() -> None:

@@ -122,7 +122,7 @@ def dumps(obj: Any, *, consumers: int = 1, isolated: bool = False) -> bytes:
     """
     if consumers < 1:
         raise ValueError("consumers must be at least 1")
-    return export(*split(obj), consumers=consumers, isolated=isolated)
+    return export(*split(obj), consumers=consumers, isolated=isolated).data
 
 
 def split(obj: Any):
@@ -142,8 +142,9 @@ def plain_pickle(payload: bytes):
     return memoryview(payload)[1:]
 
 
-def export(tensors, parameters, payload: bytes, *, consumers: int = 1, isolated: bool = False) -> bytes:
-    """The descriptor of what :func:`split` returned."""
+def export(tensors, parameters, payload: bytes, *, consumers: int = 1, isolated: bool = False) -> "_C.Export":
+    """Export what :func:`split` returned: an ``_C.Export`` whose ``.data`` is
+    the descriptor, and whose ``revoke()`` gives back what nobody will load."""
     _runtime.ensure_started()
     if isolated:
         from .pool import isolate_tensors

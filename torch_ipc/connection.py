@@ -17,7 +17,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing import connection as mpc
 from typing import Any, List, Optional, Tuple, Union
 
-from . import _C, _serialize
+from . import _C, _runtime, _serialize
 
 __all__ = ["Listener", "Connection", "listen", "connect"]
 
@@ -26,14 +26,17 @@ Address = Union[str, tuple]
 # Note [connection lifetime]
 # A consumer that loaded something holds it through its lease until it drops
 # the tensors or dies (refcount.h). What a connection sent but the peer never
-# loaded is a token nobody will take: once the peer can no longer read it (its
-# process is gone, or it closed its end) the collector revokes those tokens so
-# the exports can be reclaimed. Closing our own end does not: messages may
-# still sit unread in the socket, and `send(); close()` is a normal pattern.
-# Their keys wait in _orphans until the peer exits.
+# loaded is a load nobody will make: once the peer can no longer read it (its
+# process is gone, or it closed its end) the collector revokes those exports
+# (``Export.revoke()``) so they can be reclaimed. Closing our own end does not:
+# messages may still sit unread in the socket, and `send(); close()` is a
+# normal pattern. Their exports wait in _orphans until the peer exits.
+# A connection keeps the exports it sent while they are live; an export that
+# every consumer released is dropped from the list at the next prune.
 _open_connections: "weakref.WeakSet[Connection]" = weakref.WeakSet()
-_orphans: List[Tuple[int, list, list]] = []  # (peer pid, own lease keys, forwarded leases)
+_orphans: List[Tuple[int, List[_C.Export]]] = []  # (peer pid, exports it may still load)
 _open_lock = threading.RLock()  # RLock: Connection.__del__ may run inside a locked region
+_PRUNE_EVERY = 64  # sent exports between two prunes of the dead ones
 
 
 def _pid_alive(pid: int) -> bool:
@@ -46,27 +49,28 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+def _live(exports: List[_C.Export]) -> List[_C.Export]:
+    return [e for e in exports if e.live]
+
+
+def _revoke(exports: List[_C.Export]) -> None:
+    for e in exports:
+        e.revoke()
+
+
 def _check_peers() -> None:
+    """Revoke what peers that exited or closed their end will never load."""
+    gone, kept = [], []
     with _open_lock:
         conns = list(_open_connections)
-        merged = {}  # one entry per living peer, only keys of exports still live
-        orphans = []
-        for pid, keys, forwarded in _orphans:
+        for pid, exports in _orphans:
             if not _pid_alive(pid):
-                orphans.append((pid, keys, forwarded))
-                continue
-            own, fwd = merged.setdefault(pid, ([], []))
-            own.extend(keys)
-            fwd.extend(forwarded)
-        _orphans[:] = [
-            (pid, live, fwd)
-            for pid, (own, fwd) in merged.items()
-            for live in [_C.live_leases(own) if own else []]
-            if live or fwd
-        ]
-    for _, keys, forwarded in orphans:
-        _C.revoke_leases(keys)
-        _C.give_back_deliveries(forwarded)
+                gone.append(exports)
+            elif live := _live(exports):
+                kept.append((pid, live))
+        _orphans[:] = kept
+    for exports in gone:
+        _revoke(exports)
     for c in conns:
         try:
             if not c._peer_alive() or c._peer_closed():
@@ -75,27 +79,27 @@ def _check_peers() -> None:
             pass
 
 
+_runtime.on_collect(_check_peers)
+
+
 class Connection:
     """One end of a torch_ipc connection: ``send(obj)``, ``recv()``, ``close()``."""
 
     def __init__(self, conn: mpc.Connection, peer_pid: int):
         self._conn = conn
         self.peer_pid = peer_pid
-        self._sent = []  # lease keys of our exports sent on this connection
-        self._forwarded = []  # owners' leases of tensors we passed on (Note [forwarding])
+        self._sent: List[_C.Export] = []  # what we sent that the peer may still load
         with _open_lock:
             _open_connections.add(self)
 
     def send(self, obj: Any) -> None:
         """Export ``obj`` (tensors zero-copy) and send it as one message."""
-        data = _serialize.dumps(obj)
-        key, forwarded = _C.sent_leases(data)
-        if key is not None:
-            self._sent.append(key)
-            if len(self._sent) > 4096:
-                self._sent = _C.live_leases(self._sent)
-        self._forwarded.extend(forwarded)
-        self._conn.send_bytes(data)
+        sent = _serialize.export(*_serialize.split(obj))
+        if sent.live:  # it holds tensors of ours or forwarded ones
+            self._sent.append(sent)
+            if len(self._sent) % _PRUNE_EVERY == 0:
+                self._sent = _live(self._sent)
+        self._conn.send_bytes(sent.data)
 
     def recv(self) -> Any:
         """Receive one message and rebuild it on the sender's memory."""
@@ -116,7 +120,7 @@ class Connection:
 
     def _peer_closed(self) -> bool:
         """True when the peer closed its end (end of file is next to read)."""
-        if self._conn.closed or not (self._sent or self._forwarded):
+        if self._conn.closed or not self._sent:
             return False
         try:
             sock = socket.socket(fileno=self._conn.fileno())
@@ -133,21 +137,16 @@ class Connection:
 
     def _revoke_sent(self) -> None:
         sent, self._sent = self._sent, []
-        forwarded, self._forwarded = self._forwarded, []
-        if sent:
-            _C.revoke_leases(sent)
-        if forwarded:
-            _C.give_back_deliveries(forwarded)
+        _revoke(sent)
 
     def close(self) -> None:
         """Close our end. Idempotent. What the peer has not loaded yet stays
         loadable while the peer lives (it may still read it from the socket)
         and is given back when it exits."""
         with _open_lock:
-            sent, self._sent = _C.live_leases(self._sent) if self._sent else [], []
-            forwarded, self._forwarded = self._forwarded, []
-            if sent or forwarded:
-                _orphans.append((self.peer_pid, sent, forwarded))
+            sent, self._sent = _live(self._sent), []
+            if sent:
+                _orphans.append((self.peer_pid, sent))
             _open_connections.discard(self)
         self._conn.close()
 
