@@ -225,4 +225,43 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("pid"), py::arg("start_time"), py::arg("id"), py::arg("remote_fds"),
       py::arg("mode") = "");
+  // The VMM handle field codec (csrc/vmm_handle.h), for its CPU tests.
+  testing.def(
+      "vmm_handle_encode",
+      [](uint32_t type, uint32_t n_chunks, uint64_t id, uint64_t chunk_bytes, uint32_t pid,
+         const std::vector<int32_t>& fds) {
+        TORCH_CHECK_VALUE(type <= 0xFF, "torch_ipc: handle type must fit in a byte, not ", type);
+        VmmHandleField f;
+        f.type = static_cast<uint8_t>(type);
+        f.n_chunks = n_chunks;
+        f.id = id;
+        f.chunk_bytes = chunk_bytes;
+        f.pid = pid;
+        f.fds = fds;
+        Handle64 h = encode_vmm_handle(f);
+        return py::bytes(reinterpret_cast<const char*>(h.data()), h.size());
+      },
+      py::kw_only(), py::arg("type"), py::arg("n_chunks"), py::arg("id"), py::arg("chunk_bytes"),
+      py::arg("pid"), py::arg("fds") = std::vector<int32_t>{});
+  testing.def(
+      "vmm_handle_decode",
+      [](const py::bytes& data, const py::object& alloc_size) {
+        std::string_view view = data;
+        TORCH_CHECK_VALUE(view.size() == sizeof(Handle64), "torch_ipc: a VMM handle field is 64 bytes, not ",
+                          view.size());
+        Handle64 h;
+        std::memcpy(h.data(), view.data(), h.size());
+        VmmHandleField f = alloc_size.is_none() ? decode_vmm_handle(h)
+                                                 : decode_vmm_handle(h, alloc_size.cast<uint64_t>());
+        py::dict out;
+        out["version"] = kVmmHandleVersion;
+        out["type"] = f.type;
+        out["n_chunks"] = f.n_chunks;
+        out["id"] = f.id;
+        out["chunk_bytes"] = f.chunk_bytes;
+        out["pid"] = f.pid;
+        out["fds"] = f.fds;
+        return out;
+      },
+      py::arg("data"), py::arg("alloc_size") = py::none());
 }

@@ -453,6 +453,7 @@ def test_fd_that_is_not_cuda_memory_is_a_clear_error(producer, consumer):
     at = _find_vmm_alloc(data, granularity) + 16  # the handle field
     field = bytearray(data[at : at + 64])
     field[2:4] = b"\0\0"  # no fd numbers: ask the socket
+    field[28:64] = struct.pack("<9i", *[-1] * 9)  # the slots they leave unused hold -1
     field[8:16] = struct.pack("<Q", ident)
     forged = _reseal(data[:at] + bytes(field) + data[at + 64 :])
     kind, text = consumer.call(u.try_load, forged)

@@ -1,0 +1,56 @@
+// VMM producer side: finds the physical allocations under storages, exports them
+// once (the export cache), publishes their runs for consumers, and drops dead runs.
+#pragma once
+
+#include <c10/core/Storage.h>
+
+#include <cuda.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "descriptor.h"
+
+namespace torch_ipc {
+
+// What the descriptor says about a storage in VMM memory: the 64-byte handle
+// field of its AllocRecord (Note [VMM handle field] in vmm_handle.h), the bytes
+// of the physical allocations it spans, and its offset in the first of them.
+struct VmmLocation {
+  Handle64 handle{};
+  uint64_t size = 0;
+  uint64_t offset = 0;
+};
+
+// Export the physical allocations under `storages` (all with data on CUDA
+// device `device`, the current context), one location per storage. Storages
+// whose chunks touch or adjoin share one run (Note [VMM runs per message] in
+// export.cpp); a SharedPool storage is always a run of its own. Cached for as
+// long as a storage of the run lives; throws a c10::Error (RuntimeError) that
+// says why when the memory is not VMM memory or was created without a
+// shareable handle type, CudaError when the driver refuses an export.
+std::vector<VmmLocation> locate_vmm(const std::vector<c10::Storage>& storages, int device);
+
+// Drop the exports of storages that died: unpublish them, close their fds,
+// release the retained handles. Returns how many groups were dropped.
+int vmm_collect();
+
+// The cuMemMap mapping that holds address p: its start, its size, and the
+// driver's id of the physical allocation behind it (0 when the driver has none).
+struct MappedChunk {
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  unsigned long long block = 0;
+};
+// Throws a c10::Error that says why when no VMM mapping holds p.
+MappedChunk chunk_at(CUdeviceptr p);
+
+struct VmmExportStats {
+  int64_t groups = 0;  // distinct chunk runs published by this process
+  int64_t chunks = 0;  // physical allocations with an open shareable handle
+  int64_t bytes = 0;
+};
+VmmExportStats vmm_export_stats();
+
+}  // namespace torch_ipc
