@@ -119,13 +119,8 @@ void locate_new_cuda(Locations& l, const std::vector<c10::Storage>& storages) {
   }
   for (auto& [device, on_device] : vmm) {
     ScopedContext scope(device);
-    std::vector<VmmLocation> found = locate_vmm(on_device, device);
-    for (size_t i = 0; i < on_device.size(); ++i) {
-      Location where;
-      where.alloc = Allocation{AllocKind::CudaVmm, device, found[i].handle, found[i].size};
-      where.offset = found[i].offset;
-      remember(l, on_device[i], where);
-    }
+    std::vector<Location> found = locate_vmm(on_device, device);
+    for (size_t i = 0; i < on_device.size(); ++i) remember(l, on_device[i], found[i]);
   }
 }
 

@@ -70,7 +70,7 @@ struct Group {
 
 // Note [VMM export lifetime]
 // A run stays published while any storage that lies in it lives: the
-// export record of export.cpp holds its storages, so a lease held by a
+// export record (registry.h) holds its storages, so a lease held by a
 // consumer keeps the run, its fds and their numbers. A live storage also
 // keeps torch from unmapping the chunks under it, so a chunk found at an
 // address is the allocation the run names. Chunks are keyed by the driver's
@@ -80,7 +80,7 @@ struct Group {
 // collector) and before every new export. Until then the retained handles keep
 // physical memory that torch may have unmapped: at most one collect interval.
 // A run located for a whole message (Note [VMM runs per message] in
-// export.cpp) lives as long as its longest-lived storage, and with it the
+// locate.cpp) lives as long as its longest-lived storage, and with it the
 // chunks of its other storages: like a cudaMalloc segment, which torch cannot
 // free while one block in it is in use.
 struct Exporter {
@@ -197,7 +197,7 @@ MappedChunk chunk_at(CUdeviceptr p) {
   return c;
 }
 
-std::vector<VmmLocation> locate_vmm(const std::vector<c10::Storage>& storages, int device) {
+std::vector<Location> locate_vmm(const std::vector<c10::Storage>& storages, int device) {
   Exporter& e = exporter();
   std::vector<std::shared_ptr<Group>> dropped;  // destroyed after the lock
   std::lock_guard<std::mutex> lock(e.mu);
@@ -224,7 +224,7 @@ std::vector<VmmLocation> locate_vmm(const std::vector<c10::Storage>& storages, i
   std::iota(order.begin(), order.end(), 0);
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return spans[a].data < spans[b].data; });
 
-  std::vector<VmmLocation> out(storages.size());
+  std::vector<Location> out(storages.size());
   for (size_t i = 0; i < order.size();) {
     // A run: the chunks of storage order[i], extended by each next storage
     // whose first chunk is in the run or starts where the run ends.
@@ -262,7 +262,8 @@ std::vector<VmmLocation> locate_vmm(const std::vector<c10::Storage>& storages, i
       if (!known)
         g.users.emplace_back(
             c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(const_cast<c10::StorageImpl*>(impl)));
-      out[order[k]] = VmmLocation{g.field, g.size, spans[order[k]].data - run.front().base};
+      out[order[k]] = Location{Allocation{AllocKind::CudaVmm, device, g.field, g.size},
+                               spans[order[k]].data - run.front().base};
     }
     i = j;
   }

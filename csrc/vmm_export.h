@@ -10,27 +10,21 @@
 #include <cstdint>
 #include <vector>
 
-#include "descriptor.h"
+#include "registry.h"
 
 namespace torch_ipc {
 
-// What the descriptor says about a storage in VMM memory: the 64-byte handle
-// field of its AllocRecord (Note [VMM handle field] in vmm_handle.h), the bytes
-// of the physical allocations it spans, and its offset in the first of them.
-struct VmmLocation {
-  Handle64 handle{};
-  uint64_t size = 0;
-  uint64_t offset = 0;
-};
-
 // Export the physical allocations under `storages` (all with data on CUDA
-// device `device`, the current context), one location per storage. Storages
+// device `device`, the current context), one location per storage: a CudaVmm
+// allocation whose handle is the 64-byte VMM handle field (Note [VMM handle
+// field] in vmm_handle.h) and whose size is the bytes of the physical
+// allocations the storage spans, and its offset in the first of them. Storages
 // whose chunks touch or adjoin share one run (Note [VMM runs per message] in
-// export.cpp); a SharedPool storage is always a run of its own. Cached for as
+// locate.cpp); a SharedPool storage is always a run of its own. Cached for as
 // long as a storage of the run lives; throws a c10::Error (RuntimeError) that
 // says why when the memory is not VMM memory or was created without a
 // shareable handle type, CudaError when the driver refuses an export.
-std::vector<VmmLocation> locate_vmm(const std::vector<c10::Storage>& storages, int device);
+std::vector<Location> locate_vmm(const std::vector<c10::Storage>& storages, int device);
 
 // Drop the exports of storages that died: unpublish them, close their fds,
 // release the retained handles. Returns how many groups were dropped.
