@@ -5,6 +5,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <cstdio>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -21,7 +22,7 @@ struct DeviceTable {
 
 DeviceTable& table() {
   static DeviceTable* t = [] {
-    auto* out = new DeviceTable();
+    auto out = std::make_unique<DeviceTable>();  // a failed call below retries on the next use
     int count = 0;
     TORCH_IPC_CU(cuDeviceGetCount, &count);
     out->uuids.resize(count);
@@ -33,7 +34,7 @@ DeviceTable& table() {
       TORCH_IPC_CU(cuDeviceGetUuid, &u, dev);
       std::copy(u.bytes, u.bytes + 16, reinterpret_cast<char*>(out->uuids[i].data()));
     }
-    return out;
+    return out.release();  // kept for the process
   }();
   return *t;
 }
@@ -57,7 +58,9 @@ CUcontext primary_context(int device) {
   if (t.contexts[device] == nullptr) {
     CUdevice dev;
     TORCH_IPC_CU(cuDeviceGet, &dev, device);
-    TORCH_IPC_CU(cuDevicePrimaryCtxRetain, &t.contexts[device], dev);  // kept for the process
+    CUcontext ctx = nullptr;
+    TORCH_IPC_CU(cuDevicePrimaryCtxRetain, &ctx, dev);  // kept for the process
+    t.contexts[device] = ctx;
   }
   return t.contexts[device];
 }
@@ -83,7 +86,8 @@ int device_for_uuid(const Uuid& uuid) {
 ScopedContext::ScopedContext(int device) {
   CUcontext wanted = primary_context(device);
   CUcontext current = nullptr;
-  if (driver().cuCtxGetCurrent(&current) == CUDA_SUCCESS && current == wanted) return;
+  TORCH_IPC_CU(cuCtxGetCurrent, &current);
+  if (current == wanted) return;
   TORCH_IPC_CU(cuCtxPushCurrent, wanted);
   pushed_ = true;
 }

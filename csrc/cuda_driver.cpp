@@ -23,7 +23,9 @@ Loaded load() {
   Loaded out;
   void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
-    out.error = std::string("no CUDA driver: dlopen(libcuda.so.1) failed: ") + dlerror();
+    const char* why = dlerror();
+    out.error = std::string("no CUDA driver: dlopen(libcuda.so.1) failed: ") +
+                (why ? why : "unknown error");
     return out;
   }
   auto get_proc = reinterpret_cast<GetProcAddress>(dlsym(lib, "cuGetProcAddress_v2"));
@@ -34,11 +36,11 @@ Loaded load() {
 #define TORCH_IPC_RESOLVE(name)                                                      \
   {                                                                                   \
     void* fn = nullptr;                                                               \
-    CUdriverProcAddressQueryResult status;                                            \
-    if (get_proc(#name, &fn, kDriverAbi, CU_GET_PROC_ADDRESS_DEFAULT, &status) !=     \
-            CUDA_SUCCESS ||                                                           \
-        fn == nullptr) {                                                              \
-      out.error = "the CUDA driver lacks " #name;                                     \
+    CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;     \
+    CUresult r = get_proc(#name, &fn, kDriverAbi, CU_GET_PROC_ADDRESS_DEFAULT, &status); \
+    if (r != CUDA_SUCCESS || status != CU_GET_PROC_ADDRESS_SUCCESS || fn == nullptr) { \
+      out.error = "the CUDA driver lacks " #name " (cuGetProcAddress: CUresult " +    \
+                  std::to_string(r) + ", status " + std::to_string(status) + ")";     \
       return out;                                                                     \
     }                                                                                 \
     out.api.name = reinterpret_cast<decltype(out.api.name)>(fn);                      \
@@ -48,10 +50,20 @@ Loaded load() {
   CUresult init = out.api.cuInit(0);
   if (init != CUDA_SUCCESS) {
     const char* name = nullptr;
-    out.api.cuGetErrorName(init, &name);
-    out.error = std::string("cuInit failed: ") + (name ? name : "unknown error");
+    if (out.api.cuGetErrorName(init, &name) != CUDA_SUCCESS) name = nullptr;
+    out.error = std::string("cuInit failed: ") +
+                (name ? name : "CUDA_ERROR_" + std::to_string(init));
   }
   return out;
+}
+
+// The driver's name for `result` ("CUDA_ERROR_INVALID_VALUE"); one it does
+// not know is "CUDA_ERROR_<number>".
+std::string error_name(const Loaded& l, CUresult result) {
+  const char* name = nullptr;
+  if (l.error.empty() && l.api.cuGetErrorName(result, &name) == CUDA_SUCCESS && name != nullptr)
+    return name;
+  return "CUDA_ERROR_" + std::to_string(result);
 }
 
 const Loaded& loaded() {
@@ -74,24 +86,17 @@ bool driver_available(std::string* why_not) {
 }
 
 std::string driver_error_message(const char* call, CUresult result) {
-  const char* name = nullptr;
-  const char* text = nullptr;
   const Loaded& l = loaded();
-  if (l.error.empty()) {
-    l.api.cuGetErrorName(result, &name);
-    l.api.cuGetErrorString(result, &text);
-  }
-  return std::string(call) + " failed: " + (name ? name : "CUDA_ERROR_" + std::to_string(result)) +
-         " (" + (text ? text : "unknown") + ")";
+  const char* text = nullptr;
+  if (!l.error.empty() || l.api.cuGetErrorString(result, &text) != CUDA_SUCCESS) text = nullptr;
+  return std::string(call) + " failed: " + error_name(l, result) + " (" +
+         (text ? text : "unknown error") + ")";
 }
 
 void throw_driver_error(const char* call, CUresult result, const std::string& context) {
-  const char* name = nullptr;
-  const Loaded& l = loaded();
-  if (l.error.empty()) l.api.cuGetErrorName(result, &name);
   std::string message = driver_error_message(call, result);
   if (!context.empty()) message = context + ": " + message;
-  throw CudaError(message, name ? name : "CUDA_ERROR_" + std::to_string(result), call);
+  throw CudaError(message, error_name(loaded(), result), call);
 }
 
 }  // namespace torch_ipc

@@ -59,7 +59,7 @@ struct DriverApi {
 #undef TORCH_IPC_DECLARE
 };
 
-// The loaded table; throws a RuntimeError that says why when there is no
+// The loaded table; throws CudaUnavailable, saying why, when there is no
 // usable driver (CPU-only machine, driver too old).
 const DriverApi& driver();
 

@@ -5,10 +5,15 @@
 
 namespace torch_ipc {
 
+OsError os_error(int err, const std::string& call, const std::string& subject,
+                 const std::string& hint) {
+  return OsError(err, "torch_ipc: " + call + (subject.empty() ? "" : " " + subject) +
+                          " failed: " + std::strerror(err) + (hint.empty() ? "" : " " + hint));
+}
+
 void throw_os_error(const std::string& call, const std::string& subject) {
-  const int err = errno;
-  throw OsError(err, "torch_ipc: " + call + (subject.empty() ? "" : " " + subject) +
-                         " failed: " + std::strerror(err));
+  const int err = errno;  // before anything below can change it
+  throw os_error(err, call, subject);
 }
 
 ProducerGone producer_gone(uint32_t pid, const std::string& consequence) {

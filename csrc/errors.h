@@ -1,6 +1,6 @@
 // The C++ exception types of torch_ipc; bindings.cpp maps each to its Python class.
-// Implementation files throw these (or TORCH_CHECK for bad arguments), never
-// std::runtime_error, never print.
+// Implementation files throw these (or TORCH_CHECK for bad arguments and usage
+// limits), never std::runtime_error, never print.
 #pragma once
 
 #include <cstdint>
@@ -57,7 +57,12 @@ struct OsError : std::runtime_error {
   int error_number;
 };
 
-// "torch_ipc: <call> <subject> failed: <strerror(errno)>" as an OsError of errno.
+// "torch_ipc: <call> <subject> failed: <strerror(err)>[ <hint>]" as an OsError of
+// err: for callers that captured errno before cleaning up (close, unlink).
+OsError os_error(int err, const std::string& call, const std::string& subject = "",
+                 const std::string& hint = "");
+
+// os_error(errno, call, subject): call it right after the failing call.
 [[noreturn]] void throw_os_error(const std::string& call, const std::string& subject = "");
 
 // The one wording of "the producer (pid N) has exited", and what is lost with it.

@@ -17,7 +17,6 @@
 #include <mutex>
 #include <random>
 #include <set>
-#include <stdexcept>
 #include <thread>
 #include <unordered_map>
 
@@ -75,6 +74,7 @@ struct ReplyHeader {
   uint32_t flags;
 };
 constexpr size_t kMaxReply = sizeof(ReplyHeader) + kBatch * (8 + 64);
+constexpr int kAnswerSeconds = 10;  // how long a client waits for each reply
 
 struct Server {
   std::mutex mu;
@@ -101,10 +101,13 @@ sockaddr_un address_of(const std::string& name, socklen_t* len) {
   return addr;
 }
 
-void set_timeouts(int fd, int recv_s, int send_s) {
+// 0, or the errno of the setsockopt that failed.
+int set_timeouts(int fd, int recv_s, int send_s) {
   timeval r{recv_s, 0}, s{send_s, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &r, sizeof(r));
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &s, sizeof(s));
+  if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &r, sizeof(r)) != 0 ||
+      setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &s, sizeof(s)) != 0)
+    return errno;
+  return 0;
 }
 
 bool send_reply(int sock, const ReplyHeader& h, const PublishedItem* items, const int* fds) {
@@ -143,10 +146,14 @@ void refuse(int sock, int status) {
 
 void serve_one(int sock) {
   Server& s = server();
-  set_timeouts(sock, 2, 10);
+  // Without timeouts a stalled client would hold the server: refuse instead.
+  if (int err = set_timeouts(sock, 2, 10)) return refuse(sock, err);
   ucred cred{};
   socklen_t len = sizeof(cred);
-  if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return refuse(sock, EPROTO);
+  if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    const int err = errno;
+    return refuse(sock, err);
+  }
   // Note [who may pull]: only processes of our own (effective) uid. A
   // descriptor is a capability (the id is random), but the uid check is the
   // boundary, as it is for ptrace and pidfd_getfd.
@@ -169,7 +176,10 @@ void serve_one(int sock) {
     for (const auto& item : items) {
       if (item.fd < 0) continue;
       int d = fcntl(item.fd, F_DUPFD_CLOEXEC, 0);
-      if (d < 0) return refuse(sock, EMFILE);
+      if (d < 0) {
+        const int err = errno;
+        return refuse(sock, err);
+      }
       dups.emplace_back(d);
     }
   }
@@ -214,14 +224,18 @@ void ensure_server(Server& s) {
   // A fork inherits the parent's table but not its thread, and has another name.
   s.published.clear();
   int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw std::runtime_error(std::string("torch_ipc: socket() failed: ") + std::strerror(errno));
+  if (fd < 0) throw_os_error("socket(AF_UNIX, SOCK_SEQPACKET)", "for the fd server");
   socklen_t len;
-  sockaddr_un addr = address_of(fd_socket_name(self_process()), &len);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 || listen(fd, 128) != 0) {
-    int err = errno;
+  const std::string name = fd_socket_name(self_process());
+  sockaddr_un addr = address_of(name, &len);
+  const char* failed = bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 ? "bind"
+                       : listen(fd, 128) != 0                                  ? "listen"
+                                                                               : nullptr;
+  if (failed != nullptr) {
+    const int err = errno;
     ::close(fd);
-    throw std::runtime_error("torch_ipc: cannot start the fd server on @" +
-                             fd_socket_name(self_process()) + ": " + std::strerror(err));
+    throw os_error(err, failed, "of the fd server on @" + name,
+                   err == EADDRINUSE ? "(another process holds this process's socket name)" : "");
   }
   std::thread(serve_forever, fd).detach();  // lives as long as the process
   s.started_by = getpid();
@@ -232,11 +246,14 @@ int pidfd_getfd(int pidfd, int fd) { return static_cast<int>(syscall(SYS_pidfd_g
 
 std::string pid_text(const ProcessId& p) { return "pid " + std::to_string(p.pid); }
 
-[[noreturn]] void throw_gone_or(const ProcessId& owner, const std::string& otherwise) {
-  if (!process_alive(owner))
-    throw ProducerGone("torch_ipc: the producer (" + pid_text(owner) +
-                       ") has exited; its file descriptors can no longer be fetched");
-  throw std::runtime_error(otherwise);
+const char* const kFdsLost = "its file descriptors can no longer be fetched";
+
+// A failure talking to `owner` is ProducerGone when the owner has exited (the
+// cause the user can act on), else `otherwise`, built with the errno the
+// caller captured (process_alive() makes system calls of its own).
+[[noreturn]] void throw_gone_or(const ProcessId& owner, const OsError& otherwise) {
+  if (!process_alive(owner)) throw producer_gone(owner.pid, kFdsLost);
+  throw otherwise;
 }
 
 // Pull with pidfd_getfd. Returns false (and leaves `out` empty) when the kernel
@@ -245,31 +262,30 @@ bool fetch_pidfd(const ProcessId& owner, const std::vector<int>& remote_fds, boo
                  std::vector<ReceivedItem>& out) {
   UniqueFd pidfd(pidfd_open(static_cast<pid_t>(owner.pid)));
   if (pidfd.get() < 0) {
-    int err = errno;
-    if (err == ESRCH) throw_gone_or(owner, "torch_ipc: pidfd_open failed: no such process");
+    const int err = errno;
+    if (err == ESRCH)
+      throw_gone_or(owner, os_error(err, "pidfd_open", "(" + pid_text(owner) + ")"));
     if (!forced) return false;
-    throw std::runtime_error(std::string("torch_ipc: pidfd_open(") + pid_text(owner) +
-                             ") failed: " + std::strerror(err) +
-                             " (TORCH_IPC_FD_TRANSPORT=pidfd needs Linux >= 5.6)");
+    throw os_error(err, "pidfd_open", "(" + pid_text(owner) + ")",
+                   "(TORCH_IPC_FD_TRANSPORT=pidfd needs Linux >= 5.6)");
   }
   // The pid may have been recycled before pidfd_open: the pidfd must be the producer's.
-  if (!process_alive(owner)) throw_gone_or(owner, "");
+  if (!process_alive(owner)) throw producer_gone(owner.pid, kFdsLost);
   for (int remote : remote_fds) {
     int fd = pidfd_getfd(pidfd.get(), remote);
     if (fd < 0) {
-      int err = errno;
+      const int err = errno;
       out.clear();
-      if (err == ESRCH) throw_gone_or(owner, "torch_ipc: pidfd_getfd failed: no such process");
+      const std::string subject = "(" + pid_text(owner) + ", fd " + std::to_string(remote) + ")";
+      if (err == ESRCH) throw_gone_or(owner, os_error(err, "pidfd_getfd", subject));
       if (!forced) return false;  // EPERM (no ptrace rights), ENOSYS, EBADF: ask the socket
       if (err == EPERM || err == EACCES)
-        throw std::runtime_error(
-            "torch_ipc: pidfd_getfd on the producer (" + pid_text(owner) + ") failed: " +
-            std::strerror(err) +
-            ". Pulling file descriptors needs ptrace rights over the producer (CAP_SYS_PTRACE, "
-            "or Yama ptrace_scope 0, or being its ancestor with ptrace_scope 1); unset "
-            "TORCH_IPC_FD_TRANSPORT or set it to socket to pass them over a Unix socket instead");
-      throw std::runtime_error("torch_ipc: pidfd_getfd(" + pid_text(owner) + ", fd " +
-                               std::to_string(remote) + ") failed: " + std::strerror(err));
+        throw os_error(err, "pidfd_getfd", subject,
+                       "(pulling file descriptors needs ptrace rights over the producer: "
+                       "CAP_SYS_PTRACE, or Yama ptrace_scope 0, or being its ancestor with "
+                       "ptrace_scope 1; unset TORCH_IPC_FD_TRANSPORT or set it to socket to pass "
+                       "them over a Unix socket instead)");
+      throw os_error(err, "pidfd_getfd", subject);
     }
     ReceivedItem item;
     item.fd.reset(fd);
@@ -280,8 +296,10 @@ bool fetch_pidfd(const ProcessId& owner, const std::vector<int>& remote_fds, boo
 
 std::vector<ReceivedItem> fetch_socket(const ProcessId& owner, uint64_t id) {
   UniqueFd sock(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-  if (sock.get() < 0) throw std::runtime_error(std::string("torch_ipc: socket() failed: ") + std::strerror(errno));
-  set_timeouts(sock.get(), 10, 10);
+  if (sock.get() < 0)
+    throw_os_error("socket(AF_UNIX, SOCK_SEQPACKET)", "to fetch file descriptors");
+  if (int err = set_timeouts(sock.get(), kAnswerSeconds, kAnswerSeconds))
+    throw os_error(err, "setsockopt(SO_RCVTIMEO/SO_SNDTIMEO)", "of the fd socket");
   socklen_t len;
   std::string name = fd_socket_name(owner);
   sockaddr_un addr = address_of(name, &len);
@@ -289,26 +307,36 @@ std::vector<ReceivedItem> fetch_socket(const ProcessId& owner, uint64_t id) {
   do rc = connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), len);
   while (rc != 0 && errno == EINTR);
   if (rc != 0) {
-    int err = errno;
-    throw_gone_or(owner, "torch_ipc: cannot reach the fd server of the producer (" + pid_text(owner) +
-                             ") at @" + name + ": " + std::strerror(err) +
-                             " (it runs in another network namespace, or never exported VMM memory)");
+    const int err = errno;
+    throw_gone_or(owner, OsError(err, "torch_ipc: cannot reach the fd server of the producer (" +
+                                          pid_text(owner) + ") at @" + name + ": " +
+                                          std::strerror(err) +
+                                          " (it runs in another network namespace, or never "
+                                          "exported VMM memory)"));
   }
   ucred cred{};
   socklen_t clen = sizeof(cred);
   if (getsockopt(sock.get(), SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0)
-    throw std::runtime_error(std::string("torch_ipc: SO_PEERCRED failed: ") + std::strerror(errno));
-  if (static_cast<uint32_t>(cred.pid) != owner.pid)
-    throw std::runtime_error("torch_ipc: the socket @" + name + " is served by pid " +
-                             std::to_string(cred.pid) + ", not by the producer (" + pid_text(owner) +
-                             "); refusing to take file descriptors from it");
+    throw_os_error("getsockopt(SO_PEERCRED)", "of @" + name);
+  if (static_cast<uint32_t>(cred.pid) != owner.pid) {
+    const std::string served = "the socket @" + name + " is served by pid " +
+                               std::to_string(cred.pid) + ", not by the producer (" +
+                               pid_text(owner) + "); refusing to take file descriptors from it";
+    if (!process_alive(owner)) throw producer_gone(owner.pid, served);
+    // A living producer whose name another process holds: a peer outside the
+    // protocol, so EPROTO; the message names the squatter to look for.
+    throw OsError(EPROTO, "torch_ipc: " + served);
+  }
   Request req{kRequestMagic, kProtocol, id};
   ssize_t sent;
   do sent = send(sock.get(), &req, sizeof(req), MSG_NOSIGNAL);
   while (sent < 0 && errno == EINTR);
-  if (sent != static_cast<ssize_t>(sizeof(req)))
-    throw_gone_or(owner, std::string("torch_ipc: sending a request to the producer (") +
-                             pid_text(owner) + ") failed: " + std::strerror(errno));
+  if (sent != static_cast<ssize_t>(sizeof(req))) {
+    // A SOCK_SEQPACKET send is whole or fails; a short one has no errno of its own.
+    const int err = sent < 0 ? errno : EPROTO;
+    throw_gone_or(owner,
+                  os_error(err, "send", "of a request to the producer (" + pid_text(owner) + ")"));
+  }
 
   std::vector<ReceivedItem> out;
   uint32_t total = 0;
@@ -335,33 +363,51 @@ std::vector<ReceivedItem> fetch_socket(const ProcessId& owner, uint64_t id) {
         fds.emplace_back(fd);
       }
     }
-    if (n < 0)
-      throw_gone_or(owner, std::string("torch_ipc: no answer from the producer's fd server (") +
-                               pid_text(owner) + "): " + std::strerror(errno));
+    if (n < 0) {
+      const int err = errno;
+      // SO_RCVTIMEO expired: a timeout (TimeoutError), not EAGAIN.
+      if (err == EAGAIN || err == EWOULDBLOCK)
+        throw_gone_or(owner, OsError(ETIMEDOUT, "torch_ipc: no answer from the fd server of the "
+                                                "producer (" + pid_text(owner) + ") within " +
+                                                std::to_string(kAnswerSeconds) + " s"));
+      throw_gone_or(owner, os_error(err, "recvmsg",
+                                    "of the answer of the producer (" + pid_text(owner) + ")"));
+    }
+    // The peer hung up without a word (no errno): a reset connection, ECONNRESET;
+    // trying again may work, unless the producer is exiting (then ProducerGone).
     if (n == 0)
-      throw_gone_or(owner, "torch_ipc: the producer (" + pid_text(owner) +
-                               ") closed the fd socket without answering");
+      throw_gone_or(owner, OsError(ECONNRESET, "torch_ipc: the producer (" + pid_text(owner) +
+                                                   ") closed the fd socket without answering"));
+    // From here on, a reply that breaks Note [fd server protocol] is EPROTO: the
+    // producer answers, but not as this torch_ipc would (another version, or a bug).
+    auto malformed = [&](const std::string& why) {
+      return OsError(EPROTO, "torch_ipc: malformed reply from the fd server of the producer (" +
+                                 pid_text(owner) + "): " + why);
+    };
     ReplyHeader h{};
-    if (static_cast<size_t>(n) < sizeof(h)) throw std::runtime_error("torch_ipc: short reply from the fd server");
+    if (static_cast<size_t>(n) < sizeof(h))
+      throw malformed(std::to_string(n) + " bytes, shorter than a reply header");
     std::memcpy(&h, buf, sizeof(h));
-    if (h.magic != kReplyMagic) throw std::runtime_error("torch_ipc: malformed reply from the fd server");
+    if (h.magic != kReplyMagic) throw malformed("wrong magic number");
     if (h.status == ENOENT)
       throw Released("torch_ipc: the producer (" + pid_text(owner) +
                      ") no longer shares this memory (export id unknown to it: released already, "
                      "or the descriptor is not from it)");
     if (h.status == EACCES)
-      throw std::runtime_error("torch_ipc: the producer (" + pid_text(owner) +
-                               ") refused to pass file descriptors: it runs as another user (this "
-                               "process has uid " + std::to_string(geteuid()) + ")");
+      throw OsError(EACCES, "torch_ipc: the producer (" + pid_text(owner) +
+                                ") refused to pass file descriptors: it runs as another user (this "
+                                "process has uid " + std::to_string(geteuid()) + ")");
+    if (h.status < 0 || h.status > 4095) throw malformed("status " + std::to_string(h.status));
     if (h.status != 0)
-      throw std::runtime_error("torch_ipc: the producer (" + pid_text(owner) +
-                               ") refused the request: " + std::strerror(h.status));
+      throw OsError(h.status, "torch_ipc: the producer (" + pid_text(owner) +
+                                  ") refused the request: " + std::strerror(h.status));
     bool with_fds = h.flags & kHasFds, with_blobs = h.flags & kHasBlobs;
     size_t want = sizeof(h) + h.count * (8 + (with_blobs ? 64 : 0));
     if ((msg.msg_flags & (MSG_CTRUNC | MSG_TRUNC)) || h.count > kBatch || h.first != out.size() ||
         static_cast<size_t>(n) != want || (with_fds && fds.size() != h.count) ||
         (!with_fds && !fds.empty()) || (total != 0 && h.total != total) || h.first + h.count > h.total)
-      throw std::runtime_error("torch_ipc: malformed reply from the fd server of " + pid_text(owner));
+      throw malformed("a message does not match its header (at item " +
+                      std::to_string(out.size()) + ")");
     total = h.total;
     for (uint32_t i = 0; i < h.count; ++i) {
       ReceivedItem item;

@@ -2,7 +2,6 @@
 // of one machine: a per-process server on an abstract Unix socket, and pidfd_getfd.
 #pragma once
 
-#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -33,20 +32,22 @@ class UniqueFd {
   int fd_ = -1;
 };
 
-using Blob64 = std::array<uint8_t, 64>;
+// The old name of Handle64; vmm.cpp's Chunk still spells it so. Remove this
+// line once nothing does.
+using Blob64 = Handle64;
 
 // One published item: the size of what it stands for, and either a file
 // descriptor (POSIX handles; -1 when none) or a 64-byte blob (fabric handles).
 struct PublishedItem {
   uint64_t size = 0;
   int fd = -1;
-  Blob64 blob{};
+  Handle64 blob{};
 };
 
 struct ReceivedItem {
   uint64_t size = 0;  // 0 when the transport does not carry it (pidfd pulls)
   UniqueFd fd;
-  Blob64 blob{};
+  Handle64 blob{};
 };
 
 enum class FdTransport : uint8_t { Auto, Socket, Pidfd };
@@ -68,8 +69,10 @@ std::string fd_socket_name(const ProcessId& p);
 // The items `owner` published under `id`. `remote_fds`: the owner's own fd
 // numbers for them, when the caller knows them (then pidfd_getfd may be used;
 // sizes are not returned that way); empty: socket only. Throws ProducerGone
-// when the owner exited, Released when it no longer publishes `id`, and a
-// runtime_error that says why for every other refusal.
+// when the owner exited, Released when it no longer publishes `id`, and
+// OsError for every other refusal: the failing call's errno, the errno the
+// owner refused with (EACCES: another uid), or EPROTO for a peer that breaks
+// the protocol (a reply that does not parse, a socket served by another pid).
 std::vector<ReceivedItem> fd_fetch(const ProcessId& owner, uint64_t id,
                                    const std::vector<int>& remote_fds,
                                    FdTransport mode = fd_transport_from_env());

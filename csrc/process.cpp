@@ -11,9 +11,12 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <stdexcept>
 #include <map>
 #include <mutex>
+
+#include <c10/util/Exception.h>
+
+#include "errors.h"
 
 namespace torch_ipc {
 namespace {
@@ -45,17 +48,34 @@ uint64_t start_time_of(uint32_t pid) {
   return std::strtoull(p, nullptr, 10);
 }
 
+int hex_digit(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+// A boot id we could not read must not pass as one: every descriptor would
+// then carry zeros, and zeros match on any machine.
 Uuid read_boot_id() {
+  const char* path = "/proc/sys/kernel/random/boot_id";
+  std::FILE* f = std::fopen(path, "r");
+  if (f == nullptr) throw_os_error("fopen", path);
+  char text[64] = {};
+  const bool got = std::fgets(text, sizeof(text), f) != nullptr;
+  std::fclose(f);
   Uuid id{};
-  std::ifstream f("/proc/sys/kernel/random/boot_id");
-  std::string text;
-  std::getline(f, text);
   int n = 0;
-  for (size_t i = 0; i + 1 < text.size() && n < 16; ++i) {
+  for (size_t i = 0; got && text[i] != '\0' && n < 32; ++i) {
     if (text[i] == '-') continue;
-    id[n++] = static_cast<uint8_t>(std::stoi(text.substr(i, 2), nullptr, 16));
-    ++i;
+    const int d = hex_digit(text[i]);
+    if (d < 0) break;
+    id[n / 2] = static_cast<uint8_t>(id[n / 2] << 4 | d);
+    ++n;
   }
+  if (n != 32)
+    throw OsError(EIO, std::string("torch_ipc: ") + path + " holds no boot id (read: '" +
+                           std::string(text, std::strcspn(text, "\n")) + "')");
   return id;
 }
 
@@ -70,10 +90,10 @@ const ProcessId& self_process() {
 bool in_forked_child() { return static_cast<uint32_t>(getpid()) != self_process().pid; }
 
 void check_not_forked() {
-  if (in_forked_child())
-    throw std::runtime_error(
-        "torch_ipc cannot be used in a process forked from one that used it: it would act in its "
-        "parent's name. Start worker processes with the 'spawn' method.");
+  // A usage error (how the process was started), so TORCH_CHECK: a RuntimeError.
+  TORCH_CHECK(!in_forked_child(),
+              "torch_ipc cannot be used in a process forked from one that used it: it would act in "
+              "its parent's name. Start worker processes with the 'spawn' method.");
 }
 
 const Uuid& boot_id() {
@@ -111,7 +131,10 @@ bool process_alive(const ProcessId& p) {
     it = pidfds.emplace(key, fd).first;
   }
   pollfd pfd{it->second, POLLIN, 0};
-  if (poll(&pfd, 1, 0) == 0) return true;
+  const int ready = poll(&pfd, 1, 0);
+  if (ready == 0) return true;
+  // poll failed (EINTR, ENOMEM): that says nothing about the process; ask /proc.
+  if (ready < 0) return start_time_of(p.pid) == p.start_time;
   close(it->second);
   pidfds.erase(it);
   return false;

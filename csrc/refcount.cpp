@@ -8,6 +8,8 @@
 #include <tuple>
 #include <vector>
 
+#include <c10/util/Exception.h>
+
 #include "errors.h"
 #include "process.h"
 #include "shm.h"
@@ -74,10 +76,16 @@ class Leases {
     auto key = std::make_tuple(lease.owner.pid, lease.owner.start_time, lease.segment);
     auto it = foreign_.find(key);
     if (it == foreign_.end()) {
-      auto mapping = ShmMapping::open(shm_name(lease.owner, 'L', lease.segment), kSegmentBytes);
-      if (!mapping)
-        throw ProducerGone("torch_ipc: the producer (pid " + std::to_string(lease.owner.pid) +
-                           ") has exited: its lease segment is gone");
+      const std::string name = shm_name(lease.owner, 'L', lease.segment);
+      auto mapping = ShmMapping::open(name, kSegmentBytes);
+      if (!mapping) {
+        if (!process_alive(lease.owner))
+          throw producer_gone(lease.owner.pid, "its lease segment is gone");
+        // A living producer unlinks its segments only as it exits.
+        throw Released("torch_ipc: the producer (pid " + std::to_string(lease.owner.pid) +
+                       ") no longer shares lease segment " + name +
+                       " (it is exiting, or the descriptor is not from it)");
+      }
       it = foreign_.emplace(key, std::move(mapping)).first;
     }
     return slot_in(it->second.get(), lease.slot);
@@ -180,9 +188,14 @@ bool has_living_holder(Slot* s) {
 // Register n holds under `holder` (a pid, or a forwarder's delivery word),
 // then check the export still lives: the consumer's half of Note [leases].
 void hold_as(Slot* s, const LeaseRecord& lease, uint32_t holder, uint32_t n) {
-  if (!add_holder(s, holder, n))
-    throw std::runtime_error("torch_ipc: more than " + std::to_string(kHoldersPerSlot) +
-                             " processes hold this export at once");
+  // Note [holder limit] in refcount.h: a usage limit, so TORCH_CHECK (a RuntimeError).
+  const bool added = add_holder(s, holder, n);
+  TORCH_CHECK(added, "torch_ipc: this export already has ", kHoldersPerSlot,
+              " holders, the most one export can have at once (a holder is a process that loaded "
+              "it, a forwarder with deliveries pending, or one of those that died before the "
+              "producer looked). Export once per group of at most ", kHoldersPerSlot,
+              " consumers (a dumps() call each), or have consumers release what they loaded "
+              "before more load it.");
   if (s->generation.load() != lease.generation) {
     remove_holder(s, holder, n);
     throw_released(lease);

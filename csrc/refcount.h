@@ -22,6 +22,13 @@ namespace torch_ipc {
 // while holding leaves its word behind; the producer sees its pid is gone.
 // A hold is always released by the process that took it, after its GPU work
 // on the memory has finished (import.cpp).
+//
+// Note [holder limit]
+// A slot is one 128-byte line, with room for kHoldersPerSlot holder words: one
+// per process holding the export, one per forwarder with deliveries pending (a
+// dead holder's word stays until its producer looks). So at most 14 hold one
+// export at once; a 15th load raises a RuntimeError that says so. Export once
+// per group of consumers instead, or have some release first.
 constexpr int kHoldersPerSlot = 14;
 constexpr uint32_t kSlotsPerSegment = 4096;
 
@@ -42,7 +49,8 @@ LeaseCounts lease_counts(const LeaseRecord& lease);
 void lease_abandon(const LeaseRecord& lease) noexcept;
 
 // Consumer side (any process, the owner included). Throws Released when the
-// export was reclaimed, ProducerGone when its segment is gone. A load of a
+// export was reclaimed, ProducerGone when its producer exited and its segment
+// is gone, a RuntimeError past Note [holder limit]. A load of a
 // forwarded descriptor takes no token (Note [forwarding] in export.cpp).
 void lease_hold(const LeaseRecord& lease, bool take_token);
 void lease_unhold(const LeaseRecord& lease) noexcept;

@@ -7,34 +7,29 @@
 
 #include <cerrno>
 #include <cstring>
-#include <stdexcept>
 
 #include <c10/util/Exception.h>
 
+#include "errors.h"
+
 namespace torch_ipc {
-namespace {
-
-std::string os_error(const std::string& what, const std::string& name) {
-  return what + "(" + name + ") failed: " + std::strerror(errno);
-}
-
-}  // namespace
 
 std::unique_ptr<ShmMapping> ShmMapping::create(const std::string& name, size_t size) {
   int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-  if (fd < 0) throw std::runtime_error(os_error("shm_open", name));
+  if (fd < 0) throw_os_error("shm_open", name);
   if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
-    std::string err = os_error("ftruncate", name);
+    const int err = errno;
     close(fd);
     shm_unlink(name.c_str());
-    throw std::runtime_error(err + " (is /dev/shm large enough?)");
+    throw os_error(err, "ftruncate", name + " to " + std::to_string(size) + " bytes",
+                   "(is /dev/shm large enough?)");
   }
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
   close(fd);
   if (p == MAP_FAILED) {
-    std::string err = os_error("mmap", name);
     shm_unlink(name.c_str());
-    throw std::runtime_error(err);
+    throw os_error(err, "mmap", name);
   }
   return std::unique_ptr<ShmMapping>(new ShmMapping(name, p, size, true));
 }
@@ -43,30 +38,43 @@ std::unique_ptr<ShmMapping> ShmMapping::open(const std::string& name, size_t min
   int fd = shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0) {
     if (errno == ENOENT) return nullptr;
-    throw std::runtime_error(os_error("shm_open", name));
+    throw_os_error("shm_open", name);
   }
   struct stat st;
-  if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < min_size) {
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
     close(fd);
-    throw std::runtime_error("shared memory object " + name + " is smaller than the descriptor says");
+    throw os_error(err, "fstat", name);
+  }
+  if (static_cast<size_t>(st.st_size) < min_size) {
+    close(fd);
+    // The object is there but smaller than the caller was told: the claim is
+    // wrong, not the system (mapping it would SIGBUS past its end).
+    throw DescriptorError("malformed torch_ipc descriptor: shared memory object " + name + " has " +
+                          std::to_string(st.st_size) + " bytes, fewer than the " +
+                          std::to_string(min_size) + " it names");
   }
   size_t size = static_cast<size_t>(st.st_size);
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
   close(fd);
-  if (p == MAP_FAILED) throw std::runtime_error(os_error("mmap", name));
+  if (p == MAP_FAILED) throw os_error(err, "mmap", name);
   return std::unique_ptr<ShmMapping>(new ShmMapping(name, p, size, false));
 }
 
 void ShmMapping::unlink() {
   if (linked_) {
-    shm_unlink(name_.c_str());
+    // ENOENT: the name is gone already; nothing is lost.
+    if (shm_unlink(name_.c_str()) != 0 && errno != ENOENT)
+      TORCH_WARN("torch_ipc: shm_unlink(", name_, ") failed: ", std::strerror(errno));
     linked_ = false;
   }
 }
 
 ShmMapping::~ShmMapping() {
   unlink();
-  if (munmap(data_, size_) != 0) TORCH_WARN("torch_ipc: munmap(", name_, ") failed");
+  if (munmap(data_, size_) != 0)
+    TORCH_WARN("torch_ipc: munmap(", name_, ") failed: ", std::strerror(errno));
 }
 
 }  // namespace torch_ipc

@@ -10,10 +10,13 @@ namespace torch_ipc {
 
 class ShmMapping {
  public:
-  // Create a new object of `size` bytes (fails if the name exists).
+  // Create a new object of `size` bytes. Throws OsError with the failing
+  // call's errno (EEXIST when the name exists, EMFILE, ENOMEM, ...).
   static std::unique_ptr<ShmMapping> create(const std::string& name, size_t size);
   // Open an existing object; at least `min_size` bytes must be there. Returns
-  // nullptr when no object has that name (its owner unlinked it).
+  // nullptr when no object has that name (its owner unlinked it); throws
+  // DescriptorError when it is smaller (the size came from a descriptor), and
+  // OsError when a call fails (EACCES, EMFILE, ...).
   static std::unique_ptr<ShmMapping> open(const std::string& name, size_t min_size);
   ~ShmMapping();
   ShmMapping(const ShmMapping&) = delete;

@@ -115,7 +115,7 @@ def test_pidfd_pull_or_clear_refusal(producer):
     pid, start, ident, fds = producer.call(_publish, [b"pulled"])
     try:
         got = _fetch((pid, start), ident, fds, mode="pidfd")
-    except RuntimeError as e:  # no ptrace rights here: the message must say so
+    except OSError as e:  # no ptrace rights (PermissionError) or no pidfd (ENOSYS) here: the message must say so
         assert "ptrace" in str(e) or "pidfd" in str(e)
         pytest.skip(f"pidfd_getfd not allowed here: {e}")
     assert got == [(b"pulled", 0)]  # pidfd does not carry sizes
@@ -175,7 +175,7 @@ def test_exited_producer_is_producer_gone():
 
 def test_process_without_server_is_a_clear_error(producer):
     pid, start = producer.call(_who)  # alive, never published anything
-    with pytest.raises(RuntimeError, match="cannot reach the fd server"):
+    with pytest.raises(ConnectionRefusedError, match="cannot reach the fd server"):
         _fetch((pid, start), 1, mode="socket")
 
 
@@ -185,7 +185,7 @@ def test_server_pid_must_match_the_producer(producer):
     me, _ = _C._testing.fd_self()
     fake = (me, 1)
     impostor_pid = producer.call(_impostor, _C._testing.fd_socket_name(*fake))
-    with pytest.raises(RuntimeError, match=f"served by pid {impostor_pid}, not by the producer"):
+    with pytest.raises(torch_ipc.ProducerGoneError, match=f"served by pid {impostor_pid}, not by the producer"):
         _fetch(fake, 1, mode="socket")
 
 
