@@ -34,7 +34,6 @@ class UniqueFd {
 
 // The old name of Handle64; vmm.cpp's Chunk still spells it so. Remove this
 // line once nothing does.
-using Blob64 = Handle64;
 
 // One published item: the size of what it stands for, and either a file
 // descriptor (POSIX handles; -1 when none) or a 64-byte blob (fabric handles).
