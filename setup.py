@@ -44,8 +44,7 @@ setup(
             name="torch_ipc._C",
             sources=sorted(glob.glob("csrc/*.cpp")),
             include_dirs=[find_cuda_include()],
-            # Hidden visibility, as pybind11 asks: only PyInit__C is exported.
-            extra_compile_args=["-Wall", "-Wno-unused-function", "-fvisibility=hidden"] + extra,
+            extra_compile_args=["-Wall", "-Wno-unused-function"] + extra,
             libraries=["dl"],
         )
     ],

@@ -15,7 +15,8 @@
 
 namespace torch_ipc {
 
-class Export {
+// Hidden, like the pybind11 types that bind it (bindings.cpp).
+class __attribute__((visibility("hidden"))) Export {
  public:
   Export(std::string data, std::optional<LeaseRecord> own, std::vector<LeaseRecord> forwarded,
          uint32_t consumers);
