@@ -207,7 +207,7 @@ def _client_wrong_key(address):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_listener_client_share_both_ways(device, peer):
+def test_listener_client_share_both_ways(device, ipc_peer):
     key = os.urandom(16)
     with torch_ipc.listen(authkey=key) as listener:
         peer.start_call(_client_recv_and_write, listener.address, key, 2)

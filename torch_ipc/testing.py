@@ -1,4 +1,4 @@
-"""Multi-process test helpers for torch_ipc, shipped as a pytest plugin.
+"""Multi-process test helpers for torch_ipc, and an opt-in pytest plugin.
 
 Everything that crosses a process boundary in a test goes through one of two
 helpers, both built on the multiprocessing ``"spawn"`` start method (never fork:
@@ -10,7 +10,8 @@ a forked child of a process that touched CUDA cannot use CUDA):
   :class:`PeerTimeout` after killing it.
 * :class:`Peer` is a long-lived child that runs the calls sent to it, so it can
   keep state between them (hold a tensor it loaded) and can be killed while it
-  does.
+  does. A :class:`PeerGroup` hands the same named Peers to several tests, so
+  that they pay for starting an interpreter (and importing torch) once.
 
 Example::
 
@@ -46,12 +47,20 @@ starts, before it imports anything (torch reads some, such as
 ``CUDA_VISIBLE_DEVICES`` when it initialises). A value of ``None`` removes the
 variable in the child.
 
-The pytest plugin (entry point ``pytest11: torch_ipc``) adds the fixtures
-``peer`` (a fresh :class:`Peer` per test, closed after it) and ``spawn``
-(:func:`run_in_subprocess` with the default timeout), and the markers ``cuda``
-and ``gpus(n)``, which skip a test on a machine without a GPU or with fewer than
-``n``. ``TORCH_IPC_TEST_TIMEOUT`` (seconds, default 60) sets the fixtures'
-default timeout.
+The pytest plugin is opt-in: ``pytest -p torch_ipc.testing``, or
+``pytest_plugins = ["torch_ipc.testing"]`` in the top-level ``conftest.py``.
+Installing torch_ipc changes no other project's pytest runs. The plugin adds the
+fixtures
+
+* ``ipc_peer``: a fresh :class:`Peer` per test, closed after it (a crash at
+  exit fails the test);
+* ``ipc_peers``: a :class:`PeerGroup` shared by the tests of one module, whose
+  peers are closed after the module's last test (same check);
+* ``ipc_spawn``: :func:`run_in_subprocess` with the default timeout;
+
+and the markers ``cuda`` and ``gpus(n)``, which skip a test on a machine without
+a GPU or with fewer than ``n``. ``TORCH_IPC_TEST_TIMEOUT`` (seconds, default
+60) sets the fixtures' default timeout.
 """
 from __future__ import annotations
 
@@ -76,6 +85,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 __all__ = [
     "Peer",
     "PeerError",
+    "PeerGroup",
     "PeerTimeout",
     "cuda_device_count",
     "default_timeout",
@@ -695,6 +705,116 @@ def kill_all_peers() -> None:
 atexit.register(kill_all_peers)
 
 
+class PeerGroup:
+    """Named :class:`Peer` processes that several tests share, each started on first use.
+
+    Starting a Peer starts an interpreter that imports torch: seconds on a small
+    machine. Tests that only load, check and drop can share peers: each asks the
+    group for a peer by name and gets the same process as the tests before it,
+    so it must leave nothing behind that the next test could trip over. A test
+    that kills its peer, makes it exit, or changes it for good uses a Peer of
+    its own.
+
+    Args:
+        timeout: the default ``timeout`` of the peers (see :class:`Peer`).
+
+    Example::
+
+        import os
+        from torch_ipc.testing import PeerGroup
+
+        with PeerGroup(timeout=30) as group:
+            producer = group.get("producer")
+            assert group.get("producer") is producer
+            assert group.get("consumer").pid != producer.pid
+            group.close(check=True)   # both must exit cleanly
+
+    A peer found dead by :meth:`get` is replaced by a new one. If nobody had
+    been told of its death (no :class:`PeerError` reported it and it was not
+    killed on purpose), :meth:`get` raises :class:`PeerError` saying how it
+    ended; the next :meth:`get` starts the new one. A peer left busy (a test
+    failed while waiting for a call) is killed and replaced.
+    """
+
+    def __init__(self, timeout: float = 60.0) -> None:
+        if not float(timeout) > 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        self.timeout = float(timeout)
+        self._peers: Dict[str, Tuple[Peer, Tuple[Any, ...]]] = {}
+        self._closed = False
+
+    def get(
+        self,
+        name: str,
+        *,
+        env: Env = None,
+        init: Optional[Callable[[], Any]] = None,
+        timeout: Optional[float] = None,
+    ) -> Peer:
+        """The peer called ``name``, started now if it is not running.
+
+        ``env`` and ``timeout`` are those of a new :class:`Peer`; ``init`` (a
+        module-level function) runs once in a new peer before it is handed
+        out. Asking again for ``name`` with other arguments is a ``ValueError``.
+        """
+        if self._closed:
+            raise RuntimeError("the PeerGroup is closed")
+        config = (tuple(sorted(_check_env(env).items())), init, self.timeout if timeout is None else float(timeout))
+        entry = self._peers.get(name)
+        if entry is not None:
+            peer, had = entry
+            if had != config:
+                raise ValueError(f"peer {name!r} was started with other arguments ({had}) than {config}")
+            if peer.is_alive() and not peer.busy:
+                return peer
+            del self._peers[name]
+            unnoticed = not peer.busy and not peer._killed and not peer._reported
+            peer.close()
+            if unnoticed:
+                raise PeerError(
+                    f"shared peer {name!r} (pid {peer.pid}) {_describe_exit(peer.exitcode)} after an earlier "
+                    "test used it; the next get() starts a new one",
+                    pid=peer.pid,
+                    exitcode=peer.exitcode,
+                    child_traceback=peer._fault_log_at_close,
+                )
+        peer = Peer(timeout=config[2], env=env, name=name)
+        try:
+            if init is not None:
+                peer.call(init)
+        except BaseException:
+            peer.close()
+            raise
+        self._peers[name] = (peer, config)
+        return peer
+
+    def close(self, *, check: bool = False) -> None:
+        """Close every peer, the newest first; idempotent.
+
+        With ``check=True``, raises :class:`PeerError` when one did not exit
+        cleanly (see :meth:`Peer.close`), after all were closed.
+        """
+        self._closed = True
+        errors: List[PeerError] = []
+        while self._peers:
+            name = next(reversed(self._peers))
+            peer, _ = self._peers.pop(name)
+            try:
+                peer.close(check=check)
+            except PeerError as err:
+                errors.append(err)
+        if errors:
+            if len(errors) > 1:
+                errors[0].args = (f"{errors[0].args[0]}\n(and {len(errors) - 1} more peers of the group)",)
+            raise errors[0]
+
+    def __enter__(self) -> "PeerGroup":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
 def run_in_subprocess(
     fn: Callable[..., T], /, *args: Any, timeout: float = 60.0, env: Env = None, **kwargs: Any
 ) -> T:
@@ -778,7 +898,7 @@ def cuda_device_count() -> int:
 
 
 def default_timeout() -> float:
-    """Seconds the ``peer`` and ``spawn`` fixtures allow per call (``TORCH_IPC_TEST_TIMEOUT``, default 60)."""
+    """Seconds the plugin's fixtures allow per call (``TORCH_IPC_TEST_TIMEOUT``, default 60)."""
     try:
         value = float(os.environ.get("TORCH_IPC_TEST_TIMEOUT", "60"))
     except ValueError:
@@ -836,7 +956,7 @@ if pytest is not None:
                 item.add_marker(pytest.mark.skip(reason=reason))
 
     @pytest.fixture
-    def peer() -> Iterator[Peer]:
+    def ipc_peer() -> Iterator[Peer]:
         """A fresh :class:`Peer` for the test; closed after it (a crash at exit fails the test)."""
         p = Peer(timeout=default_timeout(), name="torch_ipc-test-peer")
         try:
@@ -844,7 +964,18 @@ if pytest is not None:
         finally:
             p.close(check=True)
 
+    @pytest.fixture(scope="module")
+    def ipc_peers() -> Iterator[PeerGroup]:
+        """A :class:`PeerGroup` for the tests of one module; its peers must exit
+        cleanly after the module's last test."""
+        group = PeerGroup(timeout=default_timeout())
+        try:
+            yield group
+            group.close(check=True)
+        finally:
+            group.close()
+
     @pytest.fixture
-    def spawn() -> Callable[..., Any]:
+    def ipc_spawn() -> Callable[..., Any]:
         """:func:`run_in_subprocess` with the default timeout (overridable per call)."""
         return functools.partial(run_in_subprocess, timeout=default_timeout())
