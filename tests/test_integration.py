@@ -210,7 +210,7 @@ def _client_wrong_key(address):
 def test_listener_client_share_both_ways(device, ipc_peer):
     key = os.urandom(16)
     with torch_ipc.listen(authkey=key) as listener:
-        peer.start_call(_client_recv_and_write, listener.address, key, 2)
+        ipc_peer.start_call(_client_recv_and_write, listener.address, key, 2)
         conn = listener.accept()
         sd = _state_dict(device, seed=3)
         before = {k: v.clone() for k, v in sd.items()}
@@ -223,7 +223,7 @@ def test_listener_client_share_both_ways(device, ipc_peer):
             assert torch.equal(sd[k], before[k] + 1)
         assert torch.equal(x, x_before + 1)
         conn.send("ok")
-        assert peer.result(TIMEOUT) == [sorted(sd), ["x"]]
+        assert ipc_peer.result(TIMEOUT) == [sorted(sd), ["x"]]
         conn.close()
 
 
