@@ -150,11 +150,15 @@ def test_reports_child_killed_by_signal(sig):
 
 def test_timeout_kills_child_and_its_process_group(tmp_path):
     path = tmp_path / "pids"
+    # The timeout covers the child's start-up: leave it five times what one takes here.
+    start = time.monotonic()
+    run_in_subprocess(os.getpid, timeout=60)
+    timeout = min(8.0, max(2.0, 5 * (time.monotonic() - start)))
     start = time.monotonic()
     with pytest.raises(PeerTimeout) as info:
-        run_in_subprocess(_sleep_with_grandchild, str(path), timeout=8)
+        run_in_subprocess(_sleep_with_grandchild, str(path), timeout=timeout)
     took = time.monotonic() - start
-    assert took < 8 + 5, f"took {took:.1f} s to give up"
+    assert took < timeout + 5, f"took {took:.1f} s to give up after {timeout:.1f} s"
     err = info.value
     assert isinstance(err, PeerError) and isinstance(err, TimeoutError)
     assert err.exitcode == -signal.SIGKILL
@@ -202,6 +206,37 @@ def test_env_is_in_effect_when_torch_initialises():
     # torch reads OMP_NUM_THREADS when it is imported, and the child imports
     # torch (through torch_ipc) before the function runs.
     assert run_in_subprocess(_torch_threads, timeout=60, env={"OMP_NUM_THREADS": "1"}) == 1
+
+
+def _parent_and_env(key):
+    return os.getppid(), os.environ.get(key)
+
+
+def _print(text):
+    print(text, flush=True)
+    os.write(2, text.encode() + b"\n")
+
+
+def test_children_have_the_environment_they_would_have_been_spawned_with(monkeypatch):
+    # Environment as the fork server found it: forked by the server, with this
+    # test's PYTEST_CURRENT_TEST (which changes with every test).
+    ppid, current = run_in_subprocess(_parent_and_env, "PYTEST_CURRENT_TEST", timeout=60)
+    assert current == os.environ["PYTEST_CURRENT_TEST"]
+    if os.environ.get("TORCH_IPC_TEST_FORK_SERVER") != "0":
+        assert ppid != os.getpid(), "not forked by the fork server"
+    # A changed environment: spawned, with the change there from exec.
+    monkeypatch.setenv("TORCH_IPC_TEST_CHANGED", "yes")
+    with Peer(timeout=60) as peer:
+        assert peer.call(os.getppid) == os.getpid()
+        env, at_exec = peer.call(_environment)
+    assert env["TORCH_IPC_TEST_CHANGED"] == "yes"
+    assert b"TORCH_IPC_TEST_CHANGED=yes" in at_exec
+
+
+def test_child_output_goes_where_the_parents_goes(capfd):
+    run_in_subprocess(_print, "printed by a child", timeout=60)
+    out, err = capfd.readouterr()
+    assert "printed by a child" in out and "printed by a child" in err
 
 
 def test_env_rejects_non_strings():

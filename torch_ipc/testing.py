@@ -1,8 +1,11 @@
 """Multi-process test helpers for torch_ipc, and an opt-in pytest plugin.
 
 Everything that crosses a process boundary in a test goes through one of two
-helpers, both built on the multiprocessing ``"spawn"`` start method (never fork:
-a forked child of a process that touched CUDA cannot use CUDA):
+helpers. Their children are fresh processes: forked by a fork server that
+imported torch and torch_ipc but never touched CUDA (Note [fork server]), or
+spawned (multiprocessing's ``"spawn"`` start method) when ``env`` is given. They
+are never forked from the test's own process: a forked child of a process that
+touched CUDA cannot use CUDA.
 
 * :func:`run_in_subprocess` runs one module-level function in a fresh child and
   returns its result, or raises :class:`PeerError` with the child's exit code
@@ -45,7 +48,9 @@ Rules for the functions sent to a child:
 starts, before it imports anything (torch reads some, such as
 ``PYTORCH_CUDA_ALLOC_CONF``, when it is imported; the CUDA driver reads
 ``CUDA_VISIBLE_DEVICES`` when it initialises). A value of ``None`` removes the
-variable in the child.
+variable in the child. Without ``env`` the child has the parent's environment:
+it is spawned whenever ``os.environ`` differs from the one the fork server
+started with. ``TORCH_IPC_TEST_FORK_SERVER=0`` spawns every child.
 
 The pytest plugin is opt-in: ``pytest -p torch_ipc.testing``, or
 ``pytest_plugins = ["torch_ipc.testing"]`` in the top-level ``conftest.py``.
@@ -425,7 +430,7 @@ class _ForkServer:
         try:
             address = multiprocessing.connection.arbitrary_address("AF_UNIX")
             listener.bind(address)
-            if not _mp_util.is_abstract_socket_namespace(address):
+            if isinstance(address, str) and not address.startswith("\0"):
                 os.chmod(address, 0o600)
             listener.listen()
             alive_r, alive_w = os.pipe()
@@ -503,7 +508,7 @@ class _ForkServer:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-            if isinstance(self._address, str) and not _mp_util.is_abstract_socket_namespace(self._address):
+            if isinstance(self._address, str) and not self._address.startswith("\0"):
                 with contextlib.suppress(OSError):
                     os.unlink(self._address)
         self._reset()
@@ -667,7 +672,7 @@ _live_peers: "weakref.WeakSet[Peer]" = weakref.WeakSet()
 
 
 class Peer:
-    """A spawned child process that runs the calls sent to it, one at a time.
+    """A child process that runs the calls sent to it, one at a time.
 
     The child keeps its state between calls (module globals of the functions'
     modules), so a test can make it load a tensor in one call, check or write it
@@ -751,6 +756,7 @@ class Peer:
         self._pending: Optional[Tuple[int, str, float]] = None  # (call id, what, deadline)
         self._killed = False  # the caller (kill()) or a timeout ended the child
         self._reported = False  # a PeerError already told the caller that the child died
+        self._owner = os.getpid()  # a forked copy of this process must leave the child alone
         _live_peers.add(self)
 
     # ----------------------------------------------------------------- properties
@@ -1036,7 +1042,7 @@ class Peer:
 
     def __del__(self) -> None:
         try:
-            if not self._closed:
+            if not self._closed and self._owner == os.getpid():
                 self._shutdown(graceful=False)
         except Exception:
             pass
@@ -1045,8 +1051,9 @@ class Peer:
 def kill_all_peers() -> None:
     """Kill every child started by this module that is still running (atexit does this too)."""
     for p in list(_live_peers):
-        with contextlib.suppress(Exception):
-            p._shutdown(graceful=False)
+        if getattr(p, "_owner", None) == os.getpid():
+            with contextlib.suppress(Exception):
+                p._shutdown(graceful=False)
 
 
 def _at_exit() -> None:
@@ -1171,7 +1178,7 @@ class PeerGroup:
 def run_in_subprocess(
     fn: Callable[..., T], /, *args: Any, timeout: float = 60.0, env: Env = None, **kwargs: Any
 ) -> T:
-    """Run ``fn(*args, **kwargs)`` in a fresh spawned process and return its result.
+    """Run ``fn(*args, **kwargs)`` in a fresh child process and return its result.
 
     The child must also exit cleanly afterwards: a crash at interpreter exit is
     reported too.
