@@ -91,6 +91,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from multiprocessing import context as _mp_context
 from multiprocessing import popen_fork as _mp_popen_fork
@@ -627,7 +628,12 @@ def _fork_server_main(listener_fd: int, alive_r: int, parent_pid: int, pdeathsig
                     with listener.accept()[0] as conn:
                         fds = _mp_context.reduction.recvfds(conn, _MAX_FDS)
                     child_r, status_w, *rest = fds
-                    pid = os.fork()
+                    with warnings.catch_warnings():
+                        # Python 3.12+ warns on fork() in a process with threads (torch
+                        # starts one at import); what it warns of is what DataLoader's
+                        # fork workers live with too: the child uses none of them.
+                        warnings.simplefilter("ignore", DeprecationWarning)
+                        pid = os.fork()
                     if pid == 0:
                         listener.close()
                         selector.close()
