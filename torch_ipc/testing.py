@@ -367,6 +367,9 @@ def _pickle_call(fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str
 # Hence a child is spawned whenever `env` is given or os.environ differs from
 # the server's (PYTEST_CURRENT_TEST aside: the child sets that one itself, it
 # is read by nobody at start-up), and always with TORCH_IPC_TEST_FORK_SERVER=0.
+# The server only imports: torch_ipc's extension learns which process it runs
+# in at its first use (a forked child refuses to share, Note [fork]), and
+# CUDA, never initialised there, is initialised by each child for itself.
 # The protocol is multiprocessing's own forkserver's; the server is private, so
 # that a program under test that uses the "forkserver" start method still
 # gets the standard one.
