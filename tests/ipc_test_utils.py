@@ -1,21 +1,19 @@
 """Shared helpers for torch_ipc's multi-process tests.
 
-The functions here run in spawned children (a Peer or run_in_subprocess), so
+The functions here run in child processes (a Peer or run_in_subprocess), so
 they live at module level; the children import this module by name (pytest's
-default ``prepend`` import mode puts tests/ on sys.path, and spawn hands the
-parent's sys.path to its children). Nothing here touches CUDA at import time.
+default ``prepend`` import mode puts tests/ on sys.path, and the children get
+the parent's sys.path). Nothing here touches CUDA at import time.
 """
-import contextlib
 import gc
 import os
 import secrets
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 import torch_ipc
-from torch_ipc.testing import Peer
 
 # What a child holds between calls: key -> object (tensors it loaded or made).
 HELD: Dict[str, Any] = {}
@@ -182,35 +180,6 @@ def write_views(key: str, view: str, seed: int) -> dict:
 
 def view_bits(key: str, view: str) -> dict:
     return {name: bits(views[view]) for name, views in HELD[key].items() if view in views}
-
-
-# ----------------------------------------------------------------------------- peers (test side)
-
-
-@contextlib.contextmanager
-def peer_pair(timeout: float, names: Tuple[str, str] = ("producer", "consumer"),
-              init: Optional[Callable[[], Any]] = None) -> Iterator[Tuple[Peer, Peer]]:
-    """Two Peers named `names` (by default a producer and a consumer), each of
-    which first runs `init` when given; both must exit cleanly
-    (close(check=True)) when the block ends without an error."""
-    with Peer(timeout=timeout, name=names[0]) as producer, Peer(timeout=timeout, name=names[1]) as consumer:
-        if init is not None:
-            producer.call(init)
-            consumer.call(init)
-        yield producer, consumer
-        producer.close(check=True)
-        consumer.close(check=True)
-
-
-def drop_pair_after(request) -> None:
-    """For an autouse fixture, after its test: when the test used the module's
-    `pair` fixture and both peers live, drop what the consumer, then the
-    producer, holds."""
-    if "pair" in request.fixturenames:
-        producer, consumer = request.getfixturevalue("pair")
-        if consumer.is_alive() and producer.is_alive():
-            consumer.call(drop)
-            producer.call(drop)
 
 
 # ----------------------------------------------------------------------------- child-side operations

@@ -91,17 +91,24 @@ def _send_garbage(owner):
 
 
 @pytest.fixture
-def producer():
-    with Peer(timeout=60) as p:
-        yield p
+def producer(ipc_peers):
+    """The module's producer: publishes, keeps what it published, counts what it served."""
+    return ipc_peers.get("producer")
+
+
+@pytest.fixture
+def bystander(ipc_peers):
+    """A torch_ipc process of the module that never publishes anything."""
+    return ipc_peers.get("bystander")
 
 
 def test_socket_passes_fd_and_bytes_arrive(producer):
     pid, start, ident, _ = producer.call(_publish, [b"hello over SCM_RIGHTS"])
     before = dict(_C.stats())["fd_via_socket"]
+    served = producer.call(_stats)["fd_served"]
     assert _fetch((pid, start), ident, mode="socket") == [(b"hello over SCM_RIGHTS", 21)]
     assert dict(_C.stats())["fd_via_socket"] == before + 1
-    assert producer.call(_stats)["fd_served"] == 1
+    assert producer.call(_stats)["fd_served"] == served + 1
 
 
 def test_many_fds_arrive_in_order_across_batches(producer):
@@ -157,12 +164,13 @@ def test_pidfd_forced_without_fd_numbers_is_an_error(producer):
 
 def test_unknown_id_is_released_error(producer):
     pid, start, ident, _ = producer.call(_publish, [b"x"])
+    refused = producer.call(_stats)["fd_refused"]
     with pytest.raises(torch_ipc.ReleasedError, match="no longer shares"):
         _fetch((pid, start), ident ^ 1, mode="socket")
     producer.call(_unpublish, ident)
     with pytest.raises(torch_ipc.ReleasedError):
         _fetch((pid, start), ident, mode="socket")
-    assert producer.call(_stats)["fd_refused"] == 2
+    assert producer.call(_stats)["fd_refused"] == refused + 2
 
 
 def test_exited_producer_is_producer_gone():
@@ -173,8 +181,8 @@ def test_exited_producer_is_producer_gone():
             _fetch((pid, start), ident, remote, mode=mode)
 
 
-def test_process_without_server_is_a_clear_error(producer):
-    pid, start = producer.call(_who)  # alive, never published anything
+def test_process_without_server_is_a_clear_error(bystander):
+    pid, start = bystander.call(_who)  # alive, never published anything
     with pytest.raises(ConnectionRefusedError, match="cannot reach the fd server"):
         _fetch((pid, start), 1, mode="socket")
 
@@ -191,23 +199,27 @@ def test_server_pid_must_match_the_producer(producer):
 
 def test_malformed_request_is_refused_and_server_keeps_serving(producer):
     pid, start, ident, _ = producer.call(_publish, [b"still here"])
+    refused = producer.call(_stats)["fd_refused"]
     reply = _send_garbage((pid, start))
     assert reply[:4] == b"TIFR" and int.from_bytes(reply[4:8], "little", signed=True) != 0
     assert _fetch((pid, start), ident, mode="socket") == [(b"still here", 10)]
-    assert producer.call(_stats)["fd_refused"] == 1
+    assert producer.call(_stats)["fd_refused"] == refused + 1
 
 
-def test_no_fd_leaks_on_either_side(producer):
-    pid, start, ident, fds = producer.call(_publish, [b"a", b"b", b"c"])
-    # Warm up: the server thread, and the pidfd that process_alive() caches per producer.
-    _fetch((pid, start), ident, mode="socket")
-    _fetch((pid, start), ident, fds, mode="auto")
-    theirs, ours = producer.call(_fd_count), _fd_count()
-    for i in range(200):
-        mode = "socket" if i % 2 else "auto"
-        assert [d for d, _ in _fetch((pid, start), ident, fds, mode=mode)] == [b"a", b"b", b"c"]
-    for bad in range(20):
-        with pytest.raises(torch_ipc.ReleasedError):
-            _fetch((pid, start), ident + 1 + bad, mode="socket")
-    assert producer.call(_fd_count) == theirs
-    assert _fd_count() == ours
+def test_no_fd_leaks_on_either_side():
+    # A producer of its own: what earlier tests left to a shared one (connections
+    # its server closes when it gets to them) would change its count under us.
+    with Peer(timeout=60, name="fd-counted-producer") as producer:
+        pid, start, ident, fds = producer.call(_publish, [b"a", b"b", b"c"])
+        # Warm up: the server thread, and the pidfd that process_alive() caches per producer.
+        _fetch((pid, start), ident, mode="socket")
+        _fetch((pid, start), ident, fds, mode="auto")
+        theirs, ours = producer.call(_fd_count), _fd_count()
+        for i in range(200):
+            mode = "socket" if i % 2 else "auto"
+            assert [d for d, _ in _fetch((pid, start), ident, fds, mode=mode)] == [b"a", b"b", b"c"]
+        for bad in range(20):
+            with pytest.raises(torch_ipc.ReleasedError):
+                _fetch((pid, start), ident + 1 + bad, mode="socket")
+        assert producer.call(_fd_count) == theirs
+        assert _fd_count() == ours

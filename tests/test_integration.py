@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torch_ipc
-from torch_ipc.testing import Peer, run_in_subprocess
+from torch_ipc.testing import Peer
 
 TIMEOUT = 60
 
@@ -207,10 +207,11 @@ def _client_wrong_key(address):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_listener_client_share_both_ways(device, peer):
+def test_listener_client_share_both_ways(device, ipc_peers):
+    client = ipc_peers.get("client")
     key = os.urandom(16)
     with torch_ipc.listen(authkey=key) as listener:
-        peer.start_call(_client_recv_and_write, listener.address, key, 2)
+        client.start_call(_client_recv_and_write, listener.address, key, 2)
         conn = listener.accept()
         sd = _state_dict(device, seed=3)
         before = {k: v.clone() for k, v in sd.items()}
@@ -223,30 +224,39 @@ def test_listener_client_share_both_ways(device, peer):
             assert torch.equal(sd[k], before[k] + 1)
         assert torch.equal(x, x_before + 1)
         conn.send("ok")
-        assert peer.result(TIMEOUT) == [sorted(sd), ["x"]]
+        assert client.result(TIMEOUT) == [sorted(sd), ["x"]]
         conn.close()
 
 
-def test_wrong_authkey_is_refused_and_gets_nothing():
+def _queued_connections(address) -> int:
+    """How many connections wait, not yet accepted, at the Unix socket listening at `address`."""
+    name = "@" + address[1:] if address.startswith("\0") else address
+    with open("/proc/net/unix") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    # columns: Num RefCount Protocol Flags Type St Inode Path; St 02: connecting
+    return sum(1 for r in rows if len(r) == 8 and r[7] == name and r[5] == "02")
+
+
+def test_wrong_authkey_is_refused_and_gets_nothing(ipc_peers):
     key = os.urandom(16)
+    bad, good = ipc_peers.get("client"), ipc_peers.get("client-2")
     with torch_ipc.listen(authkey=key) as listener:
-        with Peer(timeout=TIMEOUT) as peer:
-            peer.start_call(_client_wrong_key, listener.address)
-            time.sleep(1.0)  # let the bad client queue up first: accept() takes clients in order
-            with pytest.warns(RuntimeWarning, match="refused"):
-                # accept() skips the refused client; stop it with a good one
-                good = Peer(timeout=TIMEOUT)
-                try:
-                    good.start_call(_client_recv_and_write, listener.address, key, 0)
-                    conn = listener.accept()
-                    assert conn.poll(TIMEOUT) and conn.recv() == "done"
-                    conn.send("ok")
-                    good.result(TIMEOUT)
-                    conn.close()
-                finally:
-                    good.close()
-            result = peer.result(TIMEOUT)
-            assert result.startswith("refused"), result
+        bad.start_call(_client_wrong_key, listener.address)
+        # let the bad client queue up first: accept() takes clients in order
+        deadline = time.monotonic() + TIMEOUT
+        while _queued_connections(listener.address) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _queued_connections(listener.address) == 1, "the bad client never connected"
+        with pytest.warns(RuntimeWarning, match="refused"):
+            # accept() skips the refused client; stop it with a good one
+            good.start_call(_client_recv_and_write, listener.address, key, 0)
+            conn = listener.accept()
+            assert conn.poll(TIMEOUT) and conn.recv() == "done"
+            conn.send("ok")
+            good.result(TIMEOUT)
+            conn.close()
+        result = bad.result(TIMEOUT)
+        assert result.startswith("refused"), result
 
 
 def test_connect_requires_authkey():
@@ -300,44 +310,52 @@ def _client_close_without_loading(address, authkey):
 
     with torch_ipc.connect(address, authkey=authkey) as conn:
         conn.send("ready")
-        time.sleep(0.2)
+        assert conn.poll(TIMEOUT)  # the tensor has arrived; close without loading it
     return True
 
 
-def test_peer_closing_gives_back_what_it_never_loaded():
+def test_peer_closing_gives_back_what_it_never_loaded(ipc_peers):
+    client = ipc_peers.get("client")
     key = os.urandom(16)
     torch_ipc.collect()
     base = torch_ipc.stats()["exports"]
     with torch_ipc.listen(authkey=key) as listener:
-        with Peer(timeout=TIMEOUT) as peer:
-            peer.start_call(_client_close_without_loading, listener.address, key)
-            conn = listener.accept()
-            assert conn.recv() == "ready"
-            conn.send(torch.randn(100))
-            assert torch_ipc.stats()["exports"] == base + 1
-            assert peer.result(TIMEOUT)  # the peer closed its end, its process lives on
-            assert _wait_for(lambda: torch_ipc.stats()["exports"] == base), torch_ipc.stats()
-            conn.close()
+        client.start_call(_client_close_without_loading, listener.address, key)
+        conn = listener.accept()
+        assert conn.recv() == "ready"
+        conn.send(torch.randn(100))
+        assert torch_ipc.stats()["exports"] == base + 1
+        assert client.result(TIMEOUT)  # the client closed its end, its process lives on
+        assert _wait_for(lambda: torch_ipc.stats()["exports"] == base), torch_ipc.stats()
+        conn.close()
 
 
-def _client_recv_late(address, authkey):
+_CLIENT = {}
+
+
+def _client_connect(address, authkey):
     import torch_ipc
 
-    with torch_ipc.connect(address, authkey=authkey) as conn:
-        conn.send("ready")
-        time.sleep(0.5)  # the sender has closed its end by now
+    _CLIENT["conn"] = torch_ipc.connect(address, authkey=authkey)
+    _CLIENT["conn"].send("ready")
+    return True
+
+
+def _client_recv_late():
+    with _CLIENT.pop("conn") as conn:
         x = conn.recv()
         return x.tolist()
 
 
-def test_send_then_close_still_delivers():
+def test_send_then_close_still_delivers(ipc_peers):
+    client = ipc_peers.get("client")
     key = os.urandom(16)
     with torch_ipc.listen(authkey=key) as listener:
-        with Peer(timeout=TIMEOUT) as peer:
-            peer.start_call(_client_recv_late, listener.address, key)
-            conn = listener.accept()
-            assert conn.recv() == "ready"
-            x = torch.randn(5)
-            conn.send(x)
-            conn.close()
-            assert peer.result(TIMEOUT) == x.tolist()
+        client.start_call(_client_connect, listener.address, key)
+        conn = listener.accept()
+        assert conn.recv() == "ready" and client.result(TIMEOUT)
+        x = torch.randn(5)
+        conn.send(x)
+        conn.close()
+        # the client reads only now, after the sender has closed its end
+        assert client.call(_client_recv_late) == x.tolist()

@@ -1,9 +1,14 @@
-"""Export lifetime across processes (CPU tensors, no GPU needed): a producer
-keeps an export while consumers hold it, reclaims it when they release or die,
-counts loads (consumers=N), refuses loads after reclaim, and a consumer can
-tell a dead producer."""
+"""Export lifetime across processes: a producer keeps an export while consumers
+hold it, reclaims it when they release or die, counts loads (consumers=N),
+refuses loads after reclaim, and a consumer can tell a dead producer; many
+share/release cycles leak nothing. On CPU tensors everywhere; on CUDA (marked
+``cuda``, skipped without a GPU) also: memory returns to the caching allocator
+once consumers release or die, GPUs are found by UUID, a resent tensor shows
+its new values, received tensors can be forwarded, and expandable-segment
+memory is shared."""
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -12,6 +17,9 @@ import ipc_test_utils as u
 import torch_ipc
 from torch_ipc.testing import Peer, PeerError
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+CUDA_ONLY = pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.cuda)])
+
 STATS_KEYS = (
     "exports", "exported_bytes", "imports", "pending_releases", "mappings_open",
     "mappings_idle", "events_open", "lease_segments", "host_segments",
@@ -19,17 +27,16 @@ STATS_KEYS = (
 RECLAIM_S = 5.0  # how long a producer may take to notice (collector every ~50 ms)
 
 
-@pytest.fixture(scope="module")
-def producer():
-    with Peer(timeout=120, name="producer") as p:
-        yield p
-        p.close(check=True)
+@pytest.fixture
+def producer(ipc_peers):
+    """The module's producer (CPU tensors)."""
+    return ipc_peers.get("producer", timeout=120)
 
 
-@pytest.fixture(scope="module")
-def consumers():
-    with u.peer_pair(timeout=120, names=("consumer-1", "consumer-2")) as (c1, c2):
-        yield c1, c2
+@pytest.fixture
+def consumers(ipc_peers):
+    """The module's two consumers (CPU tensors)."""
+    return ipc_peers.get("consumer-1", timeout=120), ipc_peers.get("consumer-2", timeout=120)
 
 
 @pytest.fixture(autouse=True)
@@ -210,7 +217,7 @@ def _consumer_maps():
     return _deleted_shm_mappings(), torch_ipc.stats()
 
 
-def test_many_share_release_cycles_leak_nothing(producer, consumers):
+def _cycles_on_cpu(producer, consumers):
     c1, _ = consumers
     batches, per_batch = 6, 400
     first_p = first_c = None
@@ -231,6 +238,14 @@ def test_many_share_release_cycles_leak_nothing(producer, consumers):
             assert c["lease_segments"] <= first_c["lease_segments"] + 1, f"lease segments grow: {c}"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_share_release_cycles_leak_nothing(device, producer, consumers):
+    if device == "cpu":
+        _cycles_on_cpu(producer, consumers)
+    else:
+        _cycles_on_cuda()
+
+
 def test_consumer_does_not_keep_freed_host_memory_mapped(producer, consumers):
     """Host memory the producer freed (its shared memory file unlinked) can never
     be mapped again: a consumer that keeps it mapped as an idle mapping pins that
@@ -242,3 +257,203 @@ def test_consumer_does_not_keep_freed_host_memory_mapped(producer, consumers):
         producer.call(_cpu_producer_state)
     deleted, s = c1.call(_consumer_maps)
     assert deleted <= 16, f"the consumer keeps {deleted} mappings of freed shared memory: {s}"
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+def _init_cuda():
+    torch.zeros(1, device="cuda")
+    return torch.cuda.memory_allocated()
+
+
+def _memory_allocated():
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def _export_cuda(key: str, n: int, seed: int, consumers: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    x = u.random_tensor((n,), torch.float32, gen, "cuda")
+    u.HELD[key] = x
+    return torch_ipc.dumps(x, consumers=consumers), u.digest(x)
+
+
+def _load_digest(key: str, data: bytes):
+    u.HELD[key] = torch_ipc.loads(data)
+    return u.digest(u.HELD[key])
+
+
+def _drop_and_wait_memory(key: str, baseline: int, timeout: float):
+    """Drop our reference, then collect until the export is reclaimed and the
+    caching allocator has the memory back; return (stats, memory_allocated)."""
+    u.HELD.pop(key, None)
+    s = u.wait_for_stats("exports", 0, timeout)
+    deadline = time.monotonic() + timeout
+    while _memory_allocated() != baseline and time.monotonic() < deadline:
+        torch_ipc.collect()
+        time.sleep(0.02)
+    return s, _memory_allocated()
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("how", ["SIGKILL", "exit", "release"])
+def test_memory_returns_after_the_consumer_releases_or_dies(how, device):
+    with Peer(timeout=180, name="producer") as producer, Peer(timeout=180, name="consumer") as consumer:
+        baseline = producer.call(_init_cuda)
+        consumer.call(_init_cuda)
+        data, want = producer.call(_export_cuda, "x", 16 << 20, u.new_seed())  # 64 MiB
+        assert consumer.call(_load_digest, "x", data) == want
+        # The producer drops its own tensor: the export keeps the memory.
+        producer.call(u.drop, "x")
+        held = producer.call(_memory_allocated)
+        assert held >= baseline + (64 << 20), "the export must keep the block while a consumer holds it"
+        if how == "SIGKILL":
+            consumer.kill(signal.SIGKILL)
+        elif how == "exit":
+            assert consumer.close(check=True) == 0
+        else:
+            consumer.call(u.drop, "x")
+        s, allocated = producer.call(_drop_and_wait_memory, "x", baseline, RECLAIM_S)
+        assert s["exports"] == 0, s
+        assert allocated == baseline, f"{allocated - baseline} bytes still allocated after reclaim ({how})"
+
+
+def _share_batch(count: int, seed: int):
+    return u.share_batch(count, seed, "cuda", u.digest)
+
+
+def _load_batch(batch):
+    s = u.load_batch(batch, u.digest)
+    s["allocated"] = torch.cuda.memory_allocated()
+    return s
+
+
+def _producer_state():
+    s = u.wait_for_stats("exports", 0, RECLAIM_S)
+    s["fds"] = u.open_fds()
+    s["allocated"] = _memory_allocated()
+    return s
+
+
+def _uuid0():
+    s = str(torch.cuda.get_device_properties(0).uuid)
+    return s if s.startswith("GPU-") else "GPU-" + s
+
+
+@CUDA_ONLY
+def test_consumer_with_cuda_visible_devices_as_uuid(device):
+    with Peer(timeout=180, name="producer") as producer:
+        uuid = producer.call(_uuid0)
+        data, want = producer.call(_export_cuda, "x", 1 << 20, u.new_seed())
+        with Peer(timeout=180, name="uuid-consumer", env={"CUDA_VISIBLE_DEVICES": uuid}) as consumer:
+            assert consumer.call(_load_digest, "x", data) == want
+            assert consumer.call(_visible) == uuid
+
+
+def _visible():
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def _export_after_slow_mutation(key: str, seed: int, seconds: float):
+    """Queue slow GPU work, then overwrite the tensor, then export it again at once."""
+    gen = torch.Generator().manual_seed(seed)
+    x = u.HELD[key]
+    src_host = u.random_tensor(tuple(x.shape), x.dtype, gen)
+    want = u.digest(src_host)
+    src = src_host.to("cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(u.gpu_cycles_per_second() * seconds))
+    x.copy_(src)
+    return torch_ipc.dumps(x), want
+
+
+@CUDA_ONLY
+def test_resent_tensor_shows_its_new_values(device):
+    """The second send of the same memory hits the consumer's mapping cache: it
+    must still wait on the new export's event (torch's rebuild does not)."""
+    with Peer(timeout=180, name="producer") as producer, Peer(timeout=180, name="consumer") as consumer:
+        producer.call(_init_cuda)
+        consumer.call(_init_cuda)
+        data, want = producer.call(_export_cuda, "x", 16 << 20, u.new_seed())
+        assert consumer.call(_load_digest, "y", data) == want
+        consumer.call(u.drop, "y")
+        for _ in range(2):
+            data, want = producer.call(_export_after_slow_mutation, "x", u.new_seed(), 2.0)
+            assert consumer.call(_load_digest, "y", data) == want
+            consumer.call(u.drop, "y")
+
+
+def _forward(key: str, data: bytes):
+    """Load, then export what we received to somebody else."""
+    u.HELD[key] = torch_ipc.loads(data)
+    return torch_ipc.dumps(u.HELD[key][2:])
+
+
+def _write_ones(key: str):
+    u.HELD[key].fill_(1)
+    torch.cuda.synchronize()
+    return u.digest(u.HELD[key])
+
+
+def _digest_slice(key: str, start: int, stop: int):
+    return u.digest(u.HELD[key][start:stop])
+
+
+@CUDA_ONLY
+def test_forwarding_a_received_tensor_to_a_third_process(device):
+    with Peer(timeout=180, name="owner") as owner, Peer(timeout=180, name="middle") as middle, \
+            Peer(timeout=180, name="last") as last:  # fmt: skip
+        owner.call(_init_cuda)
+        data, _ = owner.call(_export_cuda, "x", 1000, u.new_seed())
+        forwarded = middle.call(_forward, "x", data)
+        written = last.call(_write_ones_after_load, "z", forwarded)
+        assert owner.call(_digest_slice, "x", 2, 1000) == written, "the owner sees the third process's write"
+        # The middle process lets go; the third still holds: the owner keeps the export.
+        middle.call(u.drop, "x")
+        owner.call(u.drop, "x")
+        assert owner.call(u.wait_for_stats, "exports", 0, 0.5)["exports"] == 1
+        last.call(u.drop, "z")
+        assert owner.call(u.wait_for_stats, "exports", 0, RECLAIM_S)["exports"] == 0
+
+
+def _write_ones_after_load(key: str, data: bytes):
+    u.HELD[key] = torch_ipc.loads(data)
+    return _write_ones(key)
+
+
+@CUDA_ONLY
+def test_expandable_segments_memory_is_shared(device):
+    """Memory from cuMemCreate (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
+    cannot go through legacy CUDA IPC: it takes the VMM path."""
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    with Peer(timeout=180, name="vmm-producer", env=env) as producer, Peer(timeout=180, name="consumer") as consumer:
+        data, want = producer.call(_export_cuda, "x", 1 << 20, u.new_seed())
+        assert consumer.call(_load_digest, "x", data) == want
+        written = consumer.call(_write_ones, "x")
+        assert producer.call(u.digest_held, "x") == written
+
+
+def _cycles_on_cuda():
+    cycles, per_batch = 10_000, 500
+    with Peer(timeout=300, name="producer") as producer, Peer(timeout=300, name="consumer") as consumer:
+        producer.call(_init_cuda)
+        consumer.call(_init_cuda)
+        first_p = first_c = None
+        for b in range(cycles // per_batch):
+            c = consumer.call(_load_batch, producer.call(_share_batch, per_batch, b))
+            p = producer.call(_producer_state)
+            assert c["bad"] == 0, f"batch {b}: wrong values"
+            assert c["imports"] == 0 and c["pending_releases"] == 0, c
+            assert c["mappings_open"] <= 64 and c["events_open"] <= 16, f"batch {b}: consumer handles grow: {c}"
+            assert p["exports"] == 0, f"batch {b}: the producer did not reclaim: {p}"
+            if b == 1:  # after warm-up (caches, segments, the event pool)
+                first_p, first_c = p, c
+            elif b > 1:
+                assert c["fds"] <= first_c["fds"] + 4, f"consumer fds grow: {first_c['fds']} -> {c['fds']}"
+                assert p["fds"] <= first_p["fds"] + 4, f"producer fds grow: {first_p['fds']} -> {p['fds']}"
+                assert c["allocated"] == first_c["allocated"], "the consumer's GPU memory grows"
+                assert p["allocated"] <= first_p["allocated"], "the producer's GPU memory grows"
+                assert c["mappings_open"] <= first_c["mappings_open"] + 8, f"mappings grow: {c}"
+                assert c["lease_segments"] <= first_c["lease_segments"] + 1, f"lease segments grow: {c}"
+                assert p["lease_segments"] <= first_p["lease_segments"] + 1, f"lease segments grow: {p}"

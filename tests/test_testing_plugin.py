@@ -1,18 +1,28 @@
 """The multi-process test helper itself (torch_ipc.testing): results, errors,
-signals, timeouts, environment, Peer lifetime, and the pytest plugin."""
+signals, timeouts, environment, Peer and PeerGroup lifetime, and the opt-in
+pytest plugin."""
 import atexit
 import gc
 import os
 import signal
 import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
 
 import ipc_test_utils as u
-from torch_ipc.testing import Peer, PeerError, PeerTimeout, run_in_subprocess, skip_reason
+from torch_ipc.testing import (
+    Peer,
+    PeerError,
+    PeerGroup,
+    PeerTimeout,
+    cuda_device_count,
+    default_timeout,
+    run_in_subprocess,
+    skip_reason,
+)
+
+pytest_plugins = ["pytester"]
 
 # ----------------------------------------------------------------------------- child functions
 # (module level: the child imports this module to find them)
@@ -140,11 +150,15 @@ def test_reports_child_killed_by_signal(sig):
 
 def test_timeout_kills_child_and_its_process_group(tmp_path):
     path = tmp_path / "pids"
+    # The timeout covers the child's start-up: leave it five times what one takes here.
+    start = time.monotonic()
+    run_in_subprocess(os.getpid, timeout=60)
+    timeout = min(8.0, max(2.0, 5 * (time.monotonic() - start)))
     start = time.monotonic()
     with pytest.raises(PeerTimeout) as info:
-        run_in_subprocess(_sleep_with_grandchild, str(path), timeout=8)
+        run_in_subprocess(_sleep_with_grandchild, str(path), timeout=timeout)
     took = time.monotonic() - start
-    assert took < 8 + 5, f"took {took:.1f} s to give up"
+    assert took < timeout + 5, f"took {took:.1f} s to give up after {timeout:.1f} s"
     err = info.value
     assert isinstance(err, PeerError) and isinstance(err, TimeoutError)
     assert err.exitcode == -signal.SIGKILL
@@ -194,42 +208,75 @@ def test_env_is_in_effect_when_torch_initialises():
     assert run_in_subprocess(_torch_threads, timeout=60, env={"OMP_NUM_THREADS": "1"}) == 1
 
 
+def _parent_and_env(key):
+    return os.getppid(), os.environ.get(key)
+
+
+def _print(text):
+    print(text, flush=True)
+    os.write(2, text.encode() + b"\n")
+
+
+def test_children_have_the_environment_they_would_have_been_spawned_with(monkeypatch):
+    # Environment as the fork server found it: forked by the server, with this
+    # test's PYTEST_CURRENT_TEST (which changes with every test).
+    ppid, current = run_in_subprocess(_parent_and_env, "PYTEST_CURRENT_TEST", timeout=60)
+    assert current == os.environ["PYTEST_CURRENT_TEST"]
+    if os.environ.get("TORCH_IPC_TEST_FORK_SERVER") != "0":
+        assert ppid != os.getpid(), "not forked by the fork server"
+    # A changed environment: spawned, with the change there from exec.
+    monkeypatch.setenv("TORCH_IPC_TEST_CHANGED", "yes")
+    with Peer(timeout=60) as peer:
+        assert peer.call(os.getppid) == os.getpid()
+        env, at_exec = peer.call(_environment)
+    assert env["TORCH_IPC_TEST_CHANGED"] == "yes"
+    assert b"TORCH_IPC_TEST_CHANGED=yes" in at_exec
+
+
+def test_child_output_goes_where_the_parents_goes(capfd):
+    run_in_subprocess(_print, "printed by a child", timeout=60)
+    out, err = capfd.readouterr()
+    assert "printed by a child" in out and "printed by a child" in err
+
+
 def test_env_rejects_non_strings():
     with pytest.raises(TypeError):
         run_in_subprocess(_add, 1, timeout=60, env={"X": 1})
 
 
 # ----------------------------------------------------------------------------- Peer
+# Tests that leave their peer as they found it share one (ipc_peers); those that
+# kill it, time it out or close it start their own.
 
 
-def test_peer_keeps_state_between_calls():
-    with Peer(timeout=60) as peer:
-        peer.call(_set, "x", [1, 2, 3])
-        assert peer.call(_get, "x") == [1, 2, 3]
-        assert peer.call(os.getpid) == peer.pid != os.getpid()
+def test_peer_keeps_state_between_calls(ipc_peers):
+    peer = ipc_peers.get("shared")
+    peer.call(_set, "x", [1, 2, 3])
+    assert peer.call(_get, "x") == [1, 2, 3]
+    assert peer.call(os.getpid) == peer.pid != os.getpid()
 
 
-def test_peer_async_call():
-    with Peer(timeout=60) as peer:
-        peer.call(_sleep, 0)  # started
-        t0 = time.monotonic()
-        peer.start_call(_sleep, 0.5)
-        assert peer.busy
-        assert time.monotonic() - t0 < 0.4, "start_call must not wait"
-        with pytest.raises(RuntimeError):
-            peer.start_call(_sleep, 0)  # one call at a time
-        assert peer.result() == 0.5
-        assert not peer.busy
+def test_peer_async_call(ipc_peers):
+    peer = ipc_peers.get("shared")
+    peer.call(_sleep, 0)  # started
+    t0 = time.monotonic()
+    peer.start_call(_sleep, 0.5)
+    assert peer.busy
+    assert time.monotonic() - t0 < 0.4, "start_call must not wait"
+    with pytest.raises(RuntimeError):
+        peer.start_call(_sleep, 0)  # one call at a time
+    assert peer.result() == 0.5
+    assert not peer.busy
 
 
-def test_peer_error_keeps_peer_running():
-    with Peer(timeout=60) as peer:
-        peer.call(_set, "k", 7)
-        with pytest.raises(PeerError) as info:
-            peer.call(_raise_value_error, "in a peer")
-        assert info.value.exitcode is None and isinstance(info.value.exception, ValueError)
-        assert "in a peer" in info.value.child_traceback
-        assert peer.call(_get, "k") == 7
+def test_peer_error_keeps_peer_running(ipc_peers):
+    peer = ipc_peers.get("shared")
+    peer.call(_set, "k", 7)
+    with pytest.raises(PeerError) as info:
+        peer.call(_raise_value_error, "in a peer")
+    assert info.value.exitcode is None and isinstance(info.value.exception, ValueError)
+    assert "in a peer" in info.value.child_traceback
+    assert peer.call(_get, "k") == 7
 
 
 def test_peer_kill_while_busy_reports_the_signal():
@@ -252,7 +299,7 @@ def test_peer_timeout_kills_it():
     peer = Peer(timeout=60)
     try:
         peer.call(_sleep, 0)  # started: the next call's timeout is the call's alone
-        peer.timeout = 2
+        peer.timeout = 1
         with pytest.raises(PeerTimeout):
             peer.call(_sleep, 600)
         assert not peer.is_alive() and u.process_gone(peer.pid, within=0)
@@ -306,13 +353,50 @@ def test_peer_child_dies_with_its_parent():
         assert u.process_gone(grandchild), "a peer's peer must die when the peer is SIGKILLed"
 
 
+# ----------------------------------------------------------------------------- PeerGroup
+
+
+def _init_mark():
+    _STATE["init"] = os.getpid()
+
+
+def test_peer_group_shares_and_replaces_its_peers():
+    with PeerGroup(timeout=60) as group:
+        a = group.get("a", init=_init_mark)
+        assert a.call(_get, "init") == a.pid, "init runs in the new peer"
+        assert group.get("a", init=_init_mark) is a
+        with pytest.raises(ValueError):
+            group.get("a", init=_init_mark, timeout=5)  # other arguments, same name
+        # Dead, and nobody was told: get() says so, then starts a new one.
+        os.kill(a.pid, signal.SIGKILL)
+        assert u.process_gone(a.pid)
+        with pytest.raises(PeerError) as info:
+            group.get("a", init=_init_mark)
+        assert info.value.exitcode == -signal.SIGKILL and "SIGKILL" in str(info.value)
+        b = group.get("a", init=_init_mark)
+        assert b.pid != a.pid and b.call(_get, "init") == b.pid
+        # Left busy by a failed test: killed and replaced.
+        b.start_call(_sleep, 600)
+        c = group.get("a", init=_init_mark)
+        assert c.pid != b.pid and u.process_gone(b.pid, within=0)
+        # Killed on purpose: replaced without an error.
+        c.kill()
+        d = group.get("a", init=_init_mark)
+        assert d.pid != c.pid and d.is_alive()
+        group.close(check=True)
+        assert u.process_gone(d.pid, within=0) and d.exitcode == 0
+        with pytest.raises(RuntimeError):
+            group.get("a")
+
+
 # ----------------------------------------------------------------------------- pytest plugin
 
 
-def test_fixtures(peer, spawn):
-    assert peer.call(_add, 1, b=1)[0] == 2
-    assert spawn(_add, 3, b=4)[0] == 7
-    assert spawn(_add, 3, timeout=30)[0] == 3
+def test_fixtures(ipc_peer, ipc_spawn, ipc_peers):
+    assert ipc_peer.call(_add, 1, b=1)[0] == 2
+    assert ipc_spawn(_add, 3, b=4)[0] == 7
+    assert ipc_spawn(_add, 3, timeout=30)[0] == 3
+    assert isinstance(ipc_peers, PeerGroup) and ipc_peers.timeout == default_timeout()
 
 
 def test_skip_reasons():
@@ -328,71 +412,54 @@ def test_skip_reasons():
         skip_reason([gpus_bad], 8)
 
 
-@pytest.mark.parametrize("entry_point", [False, True], ids=["conftest", "entry-point"])
-def test_plugin_markers_in_a_pytest_run(tmp_path, entry_point):
-    """Run pytest on a small suite and read what the plugin skipped and why.
+# A project of somebody else's: the same markers and fixture names as the plugin's.
+_SUITE = """
+import pytest
 
-    With `entry_point`, a distribution on the path advertises the plugin as an
-    installed torch_ipc does (pytest11), and the suite's conftest must not
-    register it a second time.
-    """
-    import torch_ipc
-    from torch_ipc.testing import cuda_device_count
+@pytest.mark.cuda
+def test_needs_cuda():
+    pass
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(torch_ipc.__file__)))
-    suite = tmp_path / "suite"
-    suite.mkdir()
-    with open(os.path.join(os.path.dirname(__file__), "conftest.py")) as f:
-        (suite / "conftest.py").write_text(f.read())
-    (suite / "test_marked.py").write_text(
-        textwrap.dedent(
-            """
-            import pytest
+@pytest.mark.gpus(64)
+def test_needs_64_gpus():
+    pass
 
-            @pytest.mark.cuda
-            def test_needs_cuda():
-                pass
+def test_uses_fixtures(ipc_peer, ipc_spawn, ipc_peers):
+    import functools
+    from torch_ipc.testing import PeerGroup, default_timeout, run_in_subprocess
 
-            @pytest.mark.gpus(64)
-            def test_needs_64_gpus():
-                pass
+    assert ipc_peer.call(abs, -3) == 3
+    assert isinstance(ipc_spawn, functools.partial) and ipc_spawn.func is run_in_subprocess
+    assert ipc_spawn.keywords == {"timeout": default_timeout()}
+    assert isinstance(ipc_peers, PeerGroup)
+"""
 
-            def test_uses_fixtures(peer, spawn):
-                assert peer.call(abs, -3) == spawn(abs, -3) == 3
-            """
-        )
-    )
-    path = [repo]
-    if entry_point:
-        site = tmp_path / "site"
-        info = site / "torch_ipc_plugin_probe-1.0.dist-info"
-        info.mkdir(parents=True)
-        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_ipc_plugin_probe\nVersion: 1.0\n")
-        (info / "entry_points.txt").write_text("[pytest11]\ntorch_ipc = torch_ipc.testing\n")
-        path.append(str(site))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(path + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", "--strict-markers", str(suite)],
-        cwd=suite,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    if entry_point:
-        # pytest loads one plugin per name: an installed torch_ipc's own entry
-        # point wins over the probe's, and either proves the entry-point path.
-        plugins = [line for line in out.splitlines() if line.startswith("plugins:")]
-        assert plugins and ("torch_ipc_plugin_probe" in plugins[0] or "torch_ipc-" in plugins[0]), (
-            "the entry point was not used:\n" + out
-        )
+
+def test_plugin_is_not_loaded_without_opt_in(pytester):
+    """Installing torch_ipc changes nobody's pytest runs: no fixtures, markers untouched."""
+    pytester.makepyfile(test_theirs=_SUITE)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rs")
+    result.assert_outcomes(passed=2, errors=1)  # the marked tests run; no ipc_* fixtures
+    result.stdout.fnmatch_lines(["*fixture 'ipc_peer' not found*"])
+    assert "torch_ipc" not in "\n".join(line for line in result.outlines if line.startswith("plugins:"))
+
+
+@pytest.mark.parametrize("how", ["-p", "conftest"])
+def test_plugin_opt_in(pytester, how):
+    """`pytest -p torch_ipc.testing` or `pytest_plugins` in a conftest: the
+    fixtures work and the markers skip what this machine cannot run."""
+    pytester.makepyfile(test_theirs=_SUITE)
+    args = ["-p", "no:cacheprovider", "-rs", "--strict-markers"]
+    if how == "-p":
+        args += ["-p", "torch_ipc.testing"]
+    else:
+        pytester.makeconftest('pytest_plugins = ["torch_ipc.testing"]')
+    result = pytester.runpytest_inprocess(*args)
     gpus = cuda_device_count()
+    out = result.stdout.str()
     assert f"needs 64 GPUs, found {gpus}" in out, out
     if gpus == 0:
         assert "needs a CUDA GPU (torch.cuda.is_available() is False)" in out, out
-        assert "1 passed, 2 skipped" in out, out
+        result.assert_outcomes(passed=1, skipped=2)
     else:
-        assert "2 passed, 1 skipped" in out, out
+        result.assert_outcomes(passed=2, skipped=1)

@@ -1,8 +1,11 @@
-"""Multi-process test helpers for torch_ipc, shipped as a pytest plugin.
+"""Multi-process test helpers for torch_ipc, and an opt-in pytest plugin.
 
 Everything that crosses a process boundary in a test goes through one of two
-helpers, both built on the multiprocessing ``"spawn"`` start method (never fork:
-a forked child of a process that touched CUDA cannot use CUDA):
+helpers. Their children are fresh processes: forked by a fork server that
+imported torch and torch_ipc but never touched CUDA (Note [fork server]), or
+spawned (multiprocessing's ``"spawn"`` start method) when ``env`` is given. They
+are never forked from the test's own process: a forked child of a process that
+touched CUDA cannot use CUDA.
 
 * :func:`run_in_subprocess` runs one module-level function in a fresh child and
   returns its result, or raises :class:`PeerError` with the child's exit code
@@ -10,7 +13,8 @@ a forked child of a process that touched CUDA cannot use CUDA):
   :class:`PeerTimeout` after killing it.
 * :class:`Peer` is a long-lived child that runs the calls sent to it, so it can
   keep state between them (hold a tensor it loaded) and can be killed while it
-  does.
+  does. A :class:`PeerGroup` hands the same named Peers to several tests, so
+  that they pay for starting an interpreter (and importing torch) once.
 
 Example::
 
@@ -44,38 +48,63 @@ Rules for the functions sent to a child:
 starts, before it imports anything (torch reads some, such as
 ``PYTORCH_CUDA_ALLOC_CONF``, when it is imported; the CUDA driver reads
 ``CUDA_VISIBLE_DEVICES`` when it initialises). A value of ``None`` removes the
-variable in the child.
+variable in the child. Without ``env`` the child has the parent's environment:
+it is spawned whenever ``os.environ`` differs from the one the fork server
+started with. ``TORCH_IPC_TEST_FORK_SERVER=0`` spawns every child.
 
-The pytest plugin (entry point ``pytest11: torch_ipc``) adds the fixtures
-``peer`` (a fresh :class:`Peer` per test, closed after it) and ``spawn``
-(:func:`run_in_subprocess` with the default timeout), and the markers ``cuda``
-and ``gpus(n)``, which skip a test on a machine without a GPU or with fewer than
-``n``. ``TORCH_IPC_TEST_TIMEOUT`` (seconds, default 60) sets the fixtures'
-default timeout.
+The pytest plugin is opt-in: ``pytest -p torch_ipc.testing``, or
+``pytest_plugins = ["torch_ipc.testing"]`` in the top-level ``conftest.py``.
+Installing torch_ipc changes no other project's pytest runs. The plugin adds the
+fixtures
+
+* ``ipc_peer``: a fresh :class:`Peer` per test, closed after it (a crash at
+  exit fails the test);
+* ``ipc_peers``: a :class:`PeerGroup` shared by the tests of one module, whose
+  peers are closed after the module's last test (same check);
+* ``ipc_spawn``: :func:`run_in_subprocess` with the default timeout;
+
+and the markers ``cuda`` and ``gpus(n)``, which skip a test on a machine without
+a GPU or with fewer than ``n``. ``TORCH_IPC_TEST_TIMEOUT`` (seconds, default
+60) sets the fixtures' default timeout.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import ctypes
+import errno
 import faulthandler
 import functools
+import gc
+import io
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import selectors
 import signal
+import socket
+import struct
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
+import warnings
 import weakref
+from multiprocessing import context as _mp_context
+from multiprocessing import popen_fork as _mp_popen_fork
+from multiprocessing import process as _mp_process
+from multiprocessing import resource_tracker as _mp_resource_tracker
+from multiprocessing import spawn as _mp_spawn
+from multiprocessing import util as _mp_util
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, TypeVar
 
 __all__ = [
     "Peer",
     "PeerError",
+    "PeerGroup",
     "PeerTimeout",
     "cuda_device_count",
     "default_timeout",
@@ -320,11 +349,339 @@ def _pickle_call(fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str
         ) from exc
 
 
+# --------------------------------------------------------------------------- fork server
+
+# Note [fork server]
+# A spawned child is a new interpreter that imports torch before it runs
+# anything: about two seconds of CPU time per child, most of what a
+# multi-process test suite costs. So a child started without `env` is forked
+# instead by a fork server: one process per parent, itself spawned, that
+# imported this module (and so torch and torch_ipc; never CUDA) and forks a
+# child per request in milliseconds. The child then runs as a spawned child
+# does: multiprocessing's preparation (sys.path, working directory, __main__)
+# runs in it, its stdout and stderr are the parent's at the time of the request,
+# and it ends with a normal interpreter exit (atexit handlers run). What
+# differs: its parent process is the server (it dies with the server, which
+# dies with the process that started it), its environment is the one the
+# server started with, and torch and torch_ipc were imported by the server.
+# Hence a child is spawned whenever `env` is given or os.environ differs from
+# the server's (PYTEST_CURRENT_TEST aside: the child sets that one itself, it
+# is read by nobody at start-up), and always with TORCH_IPC_TEST_FORK_SERVER=0.
+# The server only imports: torch_ipc's extension learns which process it runs
+# in at its first use (a forked child refuses to share, Note [fork]), and
+# CUDA, never initialised there, is initialised by each child for itself.
+# The protocol is multiprocessing's own forkserver's; the server is private, so
+# that a program under test that uses the "forkserver" start method still
+# gets the standard one.
+
+_LATE_ENV = ("PYTEST_CURRENT_TEST",)
+_SIGNED = struct.Struct("q")
+_MAX_FDS = 64
+_inherited_fds: List[int] = []  # in a forked child: the fds its Process object pickled
+
+
+def _read_signed(fd: int) -> int:
+    data = b""
+    while len(data) < _SIGNED.size:
+        chunk = os.read(fd, _SIGNED.size - len(data))
+        if not chunk:
+            raise EOFError("unexpected EOF")
+        data += chunk
+    return _SIGNED.unpack(data)[0]
+
+
+def _write_signed(fd: int, n: int) -> None:
+    msg = _SIGNED.pack(n)
+    while msg:
+        msg = msg[os.write(fd, msg):]
+
+
+def _env_key(environ: Mapping[str, str]) -> Dict[str, str]:
+    return {k: v for k, v in environ.items() if k not in _LATE_ENV}
+
+
+class _ForkServer:
+    """The parent's handle on its fork server (Note [fork server])."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._owner = os.getpid()
+        self._proc: Optional[subprocess.Popen] = None
+        self._address: Any = None
+        self._alive_w = -1
+        self._env: Dict[str, str] = {}
+
+    def server_pid(self) -> Optional[int]:
+        """The server's pid, started now if needed; None when a child must be spawned instead."""
+        if os.environ.get("TORCH_IPC_TEST_FORK_SERVER", "1") == "0" or sys.platform != "linux":
+            return None
+        with self._lock:
+            if self._owner != os.getpid():  # a forked copy of the parent: the server is not ours
+                self._reset()
+            if self._proc is not None and self._proc.poll() is not None:
+                self._stop_unlocked()  # it died: start another
+            if self._proc is None:
+                self._start_unlocked()
+            elif _env_key(os.environ) != self._env:
+                return None
+            return self._proc.pid if self._proc is not None else None
+
+    def _start_unlocked(self) -> None:
+        listener = socket.socket(socket.AF_UNIX)
+        try:
+            address = multiprocessing.connection.arbitrary_address("AF_UNIX")
+            listener.bind(address)
+            if isinstance(address, str) and not address.startswith("\0"):
+                os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()
+            pdeathsig = threading.current_thread() is threading.main_thread()
+            cmd = (
+                f"import sys; sys.path[:] = {sys.path!r}; from torch_ipc.testing import _fork_server_main; "
+                f"_fork_server_main({listener.fileno()}, {alive_r}, {os.getpid()}, {pdeathsig!r})"
+            )
+            exe = _mp_spawn.get_executable()
+            try:
+                proc = subprocess.Popen(
+                    [exe, *_mp_util._args_from_interpreter_flags(), "-c", cmd],
+                    pass_fds=(listener.fileno(), alive_r),
+                    stdin=subprocess.DEVNULL,
+                )
+            except BaseException:
+                os.close(alive_w)
+                raise
+            finally:
+                os.close(alive_r)
+        finally:
+            listener.close()
+        self._proc, self._address, self._alive_w = proc, address, alive_w
+        self._env = _env_key(os.environ)
+
+    def connect(self, fds: List[int]) -> Tuple[int, int]:
+        """Ask the server for a child: (status fd to read its pid and exit code from,
+        data fd to write its preparation data and Process object to)."""
+        if len(fds) + 5 > _MAX_FDS:
+            raise ValueError("too many fds for a forked child")
+        with self._lock:
+            if self._proc is None or self._owner != os.getpid():
+                raise OSError(errno.ESRCH, "the fork server is not running")
+            address = self._address
+        _mp_resource_tracker.ensure_running()
+        std = []
+        for fd in (1, 2):  # the child writes where a spawned one would
+            try:
+                os.fstat(fd)
+                std.append(fd)
+            except OSError:
+                std.append(os.open(os.devnull, os.O_WRONLY))
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(address)
+            parent_r, child_w = os.pipe()
+            child_r, parent_w = os.pipe()
+            try:
+                _mp_context.reduction.sendfds(
+                    client, [child_r, child_w, _mp_resource_tracker.getfd(), *std, *fds]
+                )
+            except BaseException:
+                os.close(parent_r)
+                os.close(parent_w)
+                raise
+            finally:
+                os.close(child_r)
+                os.close(child_w)
+                for fd, want in zip(std, (1, 2)):
+                    if fd != want:
+                        os.close(fd)
+        return parent_r, parent_w
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._owner == os.getpid():
+                self._stop_unlocked()
+
+    def _stop_unlocked(self) -> None:
+        proc = self._proc
+        if proc is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._alive_w)  # EOF on its "alive" pipe: the server exits
+            try:
+                proc.wait(5.0)  # (forked copies of this process may hold the pipe open)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if isinstance(self._address, str) and not self._address.startswith("\0"):
+                with contextlib.suppress(OSError):
+                    os.unlink(self._address)
+        self._reset()
+
+
+_fork_server = _ForkServer()
+
+
+class _DupFd:
+    """How a forked child finds an fd its Process object pickled (multiprocessing.reduction.DupFd)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def detach(self) -> int:
+        return _inherited_fds[self.index]
+
+
+class _ForkServerPopen(_mp_popen_fork.Popen):
+    """multiprocessing's Popen for a child of our fork server (its forkserver Popen, with our server)."""
+
+    method = "forkserver"
+    DupFd = _DupFd
+
+    def __init__(self, process_obj: Any) -> None:
+        self._fds: List[int] = []
+        super().__init__(process_obj)
+
+    def duplicate_for_child(self, fd: int) -> int:
+        self._fds.append(fd)
+        return len(self._fds) - 1
+
+    def _launch(self, process_obj: Any) -> None:
+        prep_data = _mp_spawn.get_preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        _mp_context.set_spawning_popen(self)
+        try:
+            _mp_context.reduction.dump(prep_data, buf)
+            _mp_context.reduction.dump(process_obj, buf)
+        finally:
+            _mp_context.set_spawning_popen(None)
+        self.sentinel, w = _fork_server.connect(self._fds)
+        # A duplicate of the data pipe's write end stays open here: the child
+        # reads EOF from it when this process dies (its parent sentinel).
+        parent_w = os.dup(w)
+        self.finalizer = _mp_util.Finalize(self, _mp_util.close_fds, (parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = _read_signed(self.sentinel)
+
+    def poll(self, flag: int = os.WNOHANG) -> Optional[int]:
+        if self.returncode is None:
+            timeout = 0 if flag == os.WNOHANG else None
+            if not multiprocessing.connection.wait([self.sentinel], timeout):
+                return None
+            try:
+                self.returncode = _read_signed(self.sentinel)
+            except (OSError, EOFError):
+                self.returncode = 255  # the server died before it could say
+        return self.returncode
+
+
+class _ForkServerProcess(_mp_process.BaseProcess):
+    _start_method = None
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _ForkServerPopen(process_obj)
+
+
+def _fork_server_main(listener_fd: int, alive_r: int, parent_pid: int, pdeathsig: bool) -> None:
+    """The fork server's loop (multiprocessing.forkserver.main, but a child
+    exits as a spawned one does: through SystemExit, running its atexit handlers)."""
+    if pdeathsig and sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        return
+    _mp_util._close_stdin()
+    # What the server imported lives as long as its children: keep it out of
+    # their garbage collections (and their exits' final one).
+    gc.collect()
+    gc.freeze()
+    sig_r, sig_w = os.pipe()
+    os.set_blocking(sig_r, False)
+    os.set_blocking(sig_w, False)
+    handlers = {signal.SIGCHLD: lambda *_: None, signal.SIGINT: signal.SIG_IGN}
+    old_handlers = {sig: signal.signal(sig, val) for sig, val in handlers.items()}
+    signal.set_wakeup_fd(sig_w)
+    pid_to_fd: Dict[int, int] = {}
+    code: Optional[int] = None
+    with socket.socket(socket.AF_UNIX, fileno=listener_fd) as listener, selectors.DefaultSelector() as selector:
+        selector.register(listener, selectors.EVENT_READ)
+        selector.register(alive_r, selectors.EVENT_READ)
+        selector.register(sig_r, selectors.EVENT_READ)
+        while code is None:
+            try:
+                ready = [key.fileobj for key, _ in selector.select()]
+                if alive_r in ready:
+                    return  # EOF: the parent is gone or closed its end
+                if sig_r in ready:
+                    os.read(sig_r, 65536)
+                    while True:
+                        try:
+                            pid, status = os.waitpid(-1, os.WNOHANG)
+                        except ChildProcessError:
+                            break
+                        if pid == 0:
+                            break
+                        status_w = pid_to_fd.pop(pid, None)
+                        if status_w is not None:
+                            with contextlib.suppress(BrokenPipeError):
+                                _write_signed(status_w, os.waitstatus_to_exitcode(status))
+                            os.close(status_w)
+                if listener in ready:
+                    with listener.accept()[0] as conn:
+                        fds = _mp_context.reduction.recvfds(conn, _MAX_FDS)
+                    child_r, status_w, *rest = fds
+                    with warnings.catch_warnings():
+                        # Python 3.12+ warns on fork() in a process with threads (torch
+                        # starts one at import); what it warns of is what DataLoader's
+                        # fork workers live with too: the child uses none of them.
+                        warnings.simplefilter("ignore", DeprecationWarning)
+                        pid = os.fork()
+                    if pid == 0:
+                        listener.close()
+                        selector.close()
+                        for fd in (alive_r, status_w, sig_r, sig_w, *pid_to_fd.values()):
+                            os.close(fd)
+                        code = _fork_server_child(child_r, rest, old_handlers)
+                    else:
+                        with contextlib.suppress(BrokenPipeError):
+                            _write_signed(status_w, pid)
+                        pid_to_fd[pid] = status_w
+                        for fd in (child_r, *rest):
+                            os.close(fd)
+            except OSError as e:
+                if e.errno != errno.ECONNABORTED:
+                    raise
+    sys.exit(code)  # in a forked child, after its Process ran: exit as a spawned child does
+
+
+def _fork_server_child(child_r: int, fds: List[int], handlers: Dict[int, Any]) -> int:
+    global _inherited_fds
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        tracker_fd, out_fd, err_fd, *_inherited_fds = fds
+        with contextlib.suppress(AttributeError):
+            _mp_resource_tracker._resource_tracker._fd = tracker_fd
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        os.close(out_fd)
+        os.close(err_fd)
+        parent_sentinel = os.dup(child_r)
+        code = _mp_spawn._main(child_r, parent_sentinel)
+    except Exception:
+        sys.excepthook(*sys.exc_info())
+        sys.stderr.flush()
+    return code
+
+
 _live_peers: "weakref.WeakSet[Peer]" = weakref.WeakSet()
 
 
 class Peer:
-    """A spawned child process that runs the calls sent to it, one at a time.
+    """A child process that runs the calls sent to it, one at a time.
 
     The child keeps its state between calls (module globals of the functions'
     modules), so a test can make it load a tensor in one call, check or write it
@@ -363,26 +720,40 @@ class Peer:
         self._start(_check_env(env), name, oneshot=False)
 
     def _start(self, env: Dict[str, Optional[str]], name: Optional[str], oneshot: bool) -> None:
-        ctx = multiprocessing.get_context("spawn")
         fd, self._fault_path = tempfile.mkstemp(prefix="torch_ipc_peer_", suffix=".log")
         os.close(fd)
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
-        pdeathsig = threading.current_thread() is threading.main_thread()
-        proc = ctx.Process(
-            target=_child_main,
-            args=(child_conn, env, self._fault_path, os.getpid(), pdeathsig, oneshot),
-            name=name or "torch_ipc-peer",
-            daemon=False,  # a daemonic process may not start children of its own
-        )
-        try:
-            with _environment(env):
-                proc.start()
-        except BaseException:
-            parent_conn.close()
-            child_conn.close()
-            with contextlib.suppress(OSError):
-                os.unlink(self._fault_path)
-            raise
+        server = None if env else _fork_server.server_pid()
+        proc = None
+        for attempt in ("fork server", "spawn") if server is not None else ("spawn",):
+            parent_conn, child_conn = multiprocessing.Pipe(duplex=True)
+            if attempt == "fork server":
+                late = {key: os.environ.get(key) for key in _LATE_ENV}
+                args = (child_conn, late, self._fault_path, server, True, oneshot)
+                proc = _ForkServerProcess(target=_child_main, args=args, name=name or "torch_ipc-peer")
+            else:
+                pdeathsig = threading.current_thread() is threading.main_thread()
+                args = (child_conn, env, self._fault_path, os.getpid(), pdeathsig, oneshot)
+                ctx = multiprocessing.get_context("spawn")
+                # not daemonic: a daemonic process may not start children of its own
+                proc = ctx.Process(target=_child_main, args=args, name=name or "torch_ipc-peer", daemon=False)
+            try:
+                with _environment(env if attempt == "spawn" else {}):
+                    proc.start()
+                break
+            except OSError:
+                parent_conn.close()
+                child_conn.close()
+                if attempt == "spawn":
+                    with contextlib.suppress(OSError):
+                        os.unlink(self._fault_path)
+                    raise
+                # the fork server went away: spawn this one
+            except BaseException:
+                parent_conn.close()
+                child_conn.close()
+                with contextlib.suppress(OSError):
+                    os.unlink(self._fault_path)
+                raise
         child_conn.close()
         self._proc = proc
         self._pid = int(proc.pid)
@@ -394,6 +765,7 @@ class Peer:
         self._pending: Optional[Tuple[int, str, float]] = None  # (call id, what, deadline)
         self._killed = False  # the caller (kill()) or a timeout ended the child
         self._reported = False  # a PeerError already told the caller that the child died
+        self._owner = os.getpid()  # a forked copy of this process must leave the child alone
         _live_peers.add(self)
 
     # ----------------------------------------------------------------- properties
@@ -679,7 +1051,7 @@ class Peer:
 
     def __del__(self) -> None:
         try:
-            if not self._closed:
+            if not self._closed and self._owner == os.getpid():
                 self._shutdown(graceful=False)
         except Exception:
             pass
@@ -688,17 +1060,134 @@ class Peer:
 def kill_all_peers() -> None:
     """Kill every child started by this module that is still running (atexit does this too)."""
     for p in list(_live_peers):
-        with contextlib.suppress(Exception):
-            p._shutdown(graceful=False)
+        if getattr(p, "_owner", None) == os.getpid():
+            with contextlib.suppress(Exception):
+                p._shutdown(graceful=False)
 
 
-atexit.register(kill_all_peers)
+def _at_exit() -> None:
+    kill_all_peers()
+    with contextlib.suppress(Exception):
+        _fork_server.stop()
+
+
+atexit.register(_at_exit)
+
+
+class PeerGroup:
+    """Named :class:`Peer` processes that several tests share, each started on first use.
+
+    Starting a Peer starts an interpreter that imports torch: seconds on a small
+    machine. Tests that only load, check and drop can share peers: each asks the
+    group for a peer by name and gets the same process as the tests before it,
+    so it must leave nothing behind that the next test could trip over. A test
+    that kills its peer, makes it exit, or changes it for good uses a Peer of
+    its own.
+
+    Args:
+        timeout: the default ``timeout`` of the peers (see :class:`Peer`).
+
+    Example::
+
+        import os
+        from torch_ipc.testing import PeerGroup
+
+        with PeerGroup(timeout=30) as group:
+            producer = group.get("producer")
+            assert group.get("producer") is producer
+            assert group.get("consumer").pid != producer.pid
+            group.close(check=True)   # both must exit cleanly
+
+    A peer found dead by :meth:`get` is replaced by a new one. If nobody had
+    been told of its death (no :class:`PeerError` reported it and it was not
+    killed on purpose), :meth:`get` raises :class:`PeerError` saying how it
+    ended; the next :meth:`get` starts the new one. A peer left busy (a test
+    failed while waiting for a call) is killed and replaced.
+    """
+
+    def __init__(self, timeout: float = 60.0) -> None:
+        if not float(timeout) > 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        self.timeout = float(timeout)
+        self._peers: Dict[str, Tuple[Peer, Tuple[Any, ...]]] = {}
+        self._closed = False
+
+    def get(
+        self,
+        name: str,
+        *,
+        env: Env = None,
+        init: Optional[Callable[[], Any]] = None,
+        timeout: Optional[float] = None,
+    ) -> Peer:
+        """The peer called ``name``, started now if it is not running.
+
+        ``env`` and ``timeout`` are those of a new :class:`Peer`; ``init`` (a
+        module-level function) runs once in a new peer before it is handed
+        out. Asking again for ``name`` with other arguments is a ``ValueError``.
+        """
+        if self._closed:
+            raise RuntimeError("the PeerGroup is closed")
+        config = (tuple(sorted(_check_env(env).items())), init, self.timeout if timeout is None else float(timeout))
+        entry = self._peers.get(name)
+        if entry is not None:
+            peer, had = entry
+            if had != config:
+                raise ValueError(f"peer {name!r} was started with other arguments ({had}) than {config}")
+            if peer.is_alive() and not peer.busy:
+                return peer
+            del self._peers[name]
+            unnoticed = not peer.busy and not peer._killed and not peer._reported
+            peer.close()
+            if unnoticed:
+                raise PeerError(
+                    f"shared peer {name!r} (pid {peer.pid}) {_describe_exit(peer.exitcode)} after an earlier "
+                    "test used it; the next get() starts a new one",
+                    pid=peer.pid,
+                    exitcode=peer.exitcode,
+                    child_traceback=peer._fault_log_at_close,
+                )
+        peer = Peer(timeout=config[2], env=env, name=name)
+        try:
+            if init is not None:
+                peer.call(init)
+        except BaseException:
+            peer.close()
+            raise
+        self._peers[name] = (peer, config)
+        return peer
+
+    def close(self, *, check: bool = False) -> None:
+        """Close every peer, the newest first; idempotent.
+
+        With ``check=True``, raises :class:`PeerError` when one did not exit
+        cleanly (see :meth:`Peer.close`), after all were closed.
+        """
+        self._closed = True
+        errors: List[PeerError] = []
+        while self._peers:
+            name = next(reversed(self._peers))
+            peer, _ = self._peers.pop(name)
+            try:
+                peer.close(check=check)
+            except PeerError as err:
+                errors.append(err)
+        if errors:
+            if len(errors) > 1:
+                errors[0].args = (f"{errors[0].args[0]}\n(and {len(errors) - 1} more peers of the group)",)
+            raise errors[0]
+
+    def __enter__(self) -> "PeerGroup":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
 
 def run_in_subprocess(
     fn: Callable[..., T], /, *args: Any, timeout: float = 60.0, env: Env = None, **kwargs: Any
 ) -> T:
-    """Run ``fn(*args, **kwargs)`` in a fresh spawned process and return its result.
+    """Run ``fn(*args, **kwargs)`` in a fresh child process and return its result.
 
     The child must also exit cleanly afterwards: a crash at interpreter exit is
     reported too.
@@ -778,7 +1267,7 @@ def cuda_device_count() -> int:
 
 
 def default_timeout() -> float:
-    """Seconds the ``peer`` and ``spawn`` fixtures allow per call (``TORCH_IPC_TEST_TIMEOUT``, default 60)."""
+    """Seconds the plugin's fixtures allow per call (``TORCH_IPC_TEST_TIMEOUT``, default 60)."""
     try:
         value = float(os.environ.get("TORCH_IPC_TEST_TIMEOUT", "60"))
     except ValueError:
@@ -836,7 +1325,7 @@ if pytest is not None:
                 item.add_marker(pytest.mark.skip(reason=reason))
 
     @pytest.fixture
-    def peer() -> Iterator[Peer]:
+    def ipc_peer() -> Iterator[Peer]:
         """A fresh :class:`Peer` for the test; closed after it (a crash at exit fails the test)."""
         p = Peer(timeout=default_timeout(), name="torch_ipc-test-peer")
         try:
@@ -844,7 +1333,18 @@ if pytest is not None:
         finally:
             p.close(check=True)
 
+    @pytest.fixture(scope="module")
+    def ipc_peers() -> Iterator[PeerGroup]:
+        """A :class:`PeerGroup` for the tests of one module; its peers must exit
+        cleanly after the module's last test."""
+        group = PeerGroup(timeout=default_timeout())
+        try:
+            yield group
+            group.close(check=True)
+        finally:
+            group.close()
+
     @pytest.fixture
-    def spawn() -> Callable[..., Any]:
+    def ipc_spawn() -> Callable[..., Any]:
         """:func:`run_in_subprocess` with the default timeout (overridable per call)."""
         return functools.partial(run_in_subprocess, timeout=default_timeout())
