@@ -48,6 +48,23 @@ void translate(std::exception_ptr p) {
     py::object exc = py::reinterpret_steal<py::object>(
         PyObject_CallFunction(PyExc_OSError, "is", e.error_number, e.what()));
     if (exc) PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+  } catch (const c10::OutOfMemoryError& e) {
+    PyErr_SetString(py::module_::import("torch").attr("OutOfMemoryError").ptr(), e.what_without_backtrace());
+  } catch (const c10::IndexError& e) {
+    PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
+  } catch (const c10::ValueError& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+  } catch (const c10::TypeError& e) {
+    PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+  } catch (const c10::NotImplementedError& e) {
+    PyErr_SetString(PyExc_NotImplementedError, e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    // Note [c10 errors without backtrace]
+    // TORCH_CHECK failures of this module (bad arguments, usage limits) reach
+    // Python as the builtin class torch would pick, with the message alone:
+    // what() would symbolize a C++ backtrace through this library, which is
+    // slow and, with some torch builds, crashed the process.
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
   }
 }
 
@@ -129,7 +146,8 @@ py::dict stats() {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_ipc's C++ core: descriptors, export/import, leases, CUDA driver";
-  py::register_exception_translator(&translate);
+  // Local: only the functions of this module, before pybind11's own translators.
+  py::register_local_exception_translator(&translate);
 
   py::class_<Export, std::shared_ptr<Export>>(
       m, "Export",
