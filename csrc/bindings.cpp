@@ -44,6 +44,8 @@ void translate(std::exception_ptr p) {
     raise("ReleasedError", e.what());
   } catch (const DeviceNotFound& e) {
     raise("DeviceNotFoundError", e.what());
+  } catch (const HolderLimit& e) {
+    raise("HolderLimitError", e.what());
   } catch (const OsError& e) {
     py::object exc = py::reinterpret_steal<py::object>(
         PyObject_CallFunction(PyExc_OSError, "is", e.error_number, e.what()));

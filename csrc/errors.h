@@ -48,6 +48,12 @@ struct DeviceNotFound : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A load would be one holder more than an export has room for (Note [holder
+// limit] in refcount.h). Python: torch_ipc.HolderLimitError (a RuntimeError).
+struct HolderLimit : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // A system call failed (sockets, shared memory, pidfd). Python: OSError with
 // `errno` set, so the builtin subclass that fits (PermissionError,
 // FileNotFoundError, ...) is what the caller catches.

@@ -188,14 +188,14 @@ bool has_living_holder(Slot* s) {
 // Register n holds under `holder` (a pid, or a forwarder's delivery word),
 // then check the export still lives: the consumer's half of Note [leases].
 void hold_as(Slot* s, const LeaseRecord& lease, uint32_t holder, uint32_t n) {
-  // Note [holder limit] in refcount.h: a usage limit, so TORCH_CHECK (a RuntimeError).
-  const bool added = add_holder(s, holder, n);
-  TORCH_CHECK(added, "torch_ipc: this export already has ", kHoldersPerSlot,
-              " holders, the most one export can have at once (a holder is a process that loaded "
-              "it, a forwarder with deliveries pending, or one of those that died before the "
-              "producer looked). Export once per group of at most ", kHoldersPerSlot,
-              " consumers (a dumps() call each), or have consumers release what they loaded "
-              "before more load it.");
+  if (!add_holder(s, holder, n))  // Note [holder limit] in refcount.h
+    throw HolderLimit("torch_ipc: this export already has " + std::to_string(kHoldersPerSlot) +
+                      " holders, the most one export can have at once (a holder is a process that "
+                      "loaded it, a forwarder with deliveries pending, or one of those that died "
+                      "before the producer looked). Export once per group of at most " +
+                      std::to_string(kHoldersPerSlot) +
+                      " consumers (a dumps() call each), or have consumers release what they "
+                      "loaded before more load it.");
   if (s->generation.load() != lease.generation) {
     remove_holder(s, holder, n);
     throw_released(lease);

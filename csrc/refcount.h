@@ -27,7 +27,8 @@ namespace torch_ipc {
 // A slot is one 128-byte line, with room for kHoldersPerSlot holder words: one
 // per process holding the export, one per forwarder with deliveries pending (a
 // dead holder's word stays until its producer looks). So at most 14 hold one
-// export at once; a 15th load raises a RuntimeError that says so. Export once
+// export at once; a 15th load raises torch_ipc.HolderLimitError (a
+// RuntimeError) that says so. Export once
 // per group of consumers instead, or have some release first.
 constexpr int kHoldersPerSlot = 14;
 constexpr uint32_t kSlotsPerSegment = 4096;
@@ -50,7 +51,7 @@ void lease_abandon(const LeaseRecord& lease) noexcept;
 
 // Consumer side (any process, the owner included). Throws Released when the
 // export was reclaimed, ProducerGone when its producer exited and its segment
-// is gone, a RuntimeError past Note [holder limit]. A load of a
+// is gone, HolderLimit past Note [holder limit]. A load of a
 // forwarded descriptor takes no token (Note [forwarding] in export.cpp).
 void lease_hold(const LeaseRecord& lease, bool take_token);
 void lease_unhold(const LeaseRecord& lease) noexcept;

@@ -261,12 +261,11 @@ def test_missing_lease_segment_of_a_live_producer_is_released(peer):
         torch_ipc.loads(data)
 
 
-def test_holder_limit_is_a_runtime_error_saying_what_to_do(peer):
+def test_holder_limit_is_a_clear_error_saying_what_to_do(peer):
     data = peer.call(_dumps_cpu, 2)
     assert _fill_holders(*peer.call(_who)) == 1
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(torch_ipc.HolderLimitError) as info:
         torch_ipc.loads(data)
-    # The usage category (TORCH_CHECK), not one of torch_ipc's classes.
-    assert type(info.value) is RuntimeError, repr(info.value)
+    assert isinstance(info.value, RuntimeError)
     message = str(info.value)
     assert "already has 14 holders" in message and "dumps() call each" in message, message

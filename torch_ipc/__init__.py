@@ -16,6 +16,7 @@ from .errors import (
     CudaUnavailableError,
     DescriptorError,
     DeviceNotFoundError,
+    HolderLimitError,
     ProducerGoneError,
     ReleasedError,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "ProducerGoneError",
     "ReleasedError",
     "DeviceNotFoundError",
+    "HolderLimitError",
 ]
 
 

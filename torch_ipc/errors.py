@@ -7,6 +7,7 @@ __all__ = [
     "ProducerGoneError",
     "ReleasedError",
     "DeviceNotFoundError",
+    "HolderLimitError",
 ]
 
 
@@ -44,3 +45,8 @@ class ReleasedError(RuntimeError):
 
 class DeviceNotFoundError(RuntimeError):
     """The tensor lives on a GPU (named by UUID) that this process cannot see."""
+
+
+class HolderLimitError(RuntimeError):
+    """One export is held by as many processes as it has room for (14): load
+    it in fewer processes at once, or export once per group of consumers."""
