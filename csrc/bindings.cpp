@@ -62,10 +62,10 @@ void translate(std::exception_ptr p) {
     PyErr_SetString(PyExc_NotImplementedError, e.what_without_backtrace());
   } catch (const c10::Error& e) {
     // Note [c10 errors without backtrace]
-    // TORCH_CHECK failures of this module (bad arguments, usage limits) reach
-    // Python as the builtin class torch would pick, with the message alone:
-    // what() would symbolize a C++ backtrace through this library, which is
-    // slow and, with some torch builds, crashed the process.
+    // TORCH_CHECK failures of this module (bad arguments) reach Python as the
+    // builtin class torch would pick, with the message alone: what() would
+    // symbolize a C++ backtrace through this library, slow and of no use to
+    // the caller. Conditions met at run time throw the types of errors.h.
     PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
   }
 }
