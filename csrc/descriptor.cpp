@@ -112,6 +112,21 @@ void check_index(uint64_t index, size_t count, const char* what) {
 
 bool valid_kind(uint8_t k) { return k >= 1 && k <= 3; }
 
+// Bytes per element of a dtype code (c10::ScalarType); 0 for codes a
+// descriptor may not carry (unknown, undefined, quantized).
+size_t dtype_itemsize(uint8_t code) {
+  if (code >= static_cast<uint8_t>(c10::ScalarType::NumOptions) ||
+      code == static_cast<uint8_t>(c10::ScalarType::Undefined))
+    return 0;
+  const auto dtype = static_cast<c10::ScalarType>(code);
+  if (c10::isQIntType(dtype)) return 0;
+  try {
+    return c10::elementSize(dtype);
+  } catch (const c10::Error&) {  // a code this torch names but cannot size
+    return 0;
+  }
+}
+
 // Note [view bounds]
 // A tensor record is a view (sizes, strides, storage offset, dtype) of one
 // storage, and the importer builds it without copying: a view that reaches
@@ -364,17 +379,5 @@ uint16_t storage_device(const Descriptor& d, const StorageRecord& s) {
   return s.alloc == kNoAlloc ? s.empty_device : d.allocs[s.alloc].device;
 }
 
-size_t dtype_itemsize(uint8_t code) {
-  if (code >= static_cast<uint8_t>(c10::ScalarType::NumOptions) ||
-      code == static_cast<uint8_t>(c10::ScalarType::Undefined))
-    return 0;
-  const auto dtype = static_cast<c10::ScalarType>(code);
-  if (c10::isQIntType(dtype)) return 0;
-  try {
-    return c10::elementSize(dtype);
-  } catch (const c10::Error&) {  // a code this torch names but cannot size
-    return 0;
-  }
-}
 
 }  // namespace torch_ipc

@@ -104,10 +104,6 @@ struct Descriptor {
 // Where storage `s` lives: CPU (kNone16) or an index into devices.
 uint16_t storage_device(const Descriptor& d, const StorageRecord& s);
 
-// Bytes per element of a dtype code (c10::ScalarType); 0 for codes a
-// descriptor may not carry (unknown, undefined, quantized).
-size_t dtype_itemsize(uint8_t code);
-
 std::string encode(const Descriptor& d);
 Descriptor decode(const void* data, size_t size);  // throws DescriptorError
 

@@ -22,9 +22,6 @@ struct Allocation {
   int device = -1;  // local CUDA index; -1 for host memory
   Handle64 handle{};
   uint64_t size = 0;  // bytes
-  bool operator==(const Allocation& o) const {
-    return kind == o.kind && device == o.device && handle == o.handle && size == o.size;
-  }
 };
 
 // A storage's place: its allocation and its byte offset inside it.
