@@ -2,6 +2,7 @@
 // exception types of errors.h onto the Python classes of torch_ipc/errors.py.
 #include <torch/extension.h>
 
+#include "block_allocator.h"
 #include "cuda_driver.h"
 #include "descriptor.h"
 #include "errors.h"
@@ -210,6 +211,68 @@ PYBIND11_MODULE(_C, m) {
     return t.defined() && t.is_cuda() && vmm_is_pool_storage(t.storage());
   });
   // ---- end VMM sharing ----
+
+  // ---- begin KV pool block ownership (csrc/block_allocator.h) ----
+  // Block ids cross as bytes of int64s (torch_ipc/kv.py packs them): no per-id conversion.
+  using Allocator = BlockAllocator;
+  auto ids_of = [](const py::bytes& packed) {
+    std::string_view v = packed;
+    TORCH_CHECK_VALUE(v.size() % sizeof(int64_t) == 0, "torch_ipc: packed block ids must be int64s");
+    return std::make_pair(reinterpret_cast<const int64_t*>(v.data()), v.size() / sizeof(int64_t));
+  };
+  auto process = [](const ProcessId& p) { return py::make_tuple(p.pid, p.start_time); };
+  py::class_<Allocator>(m, "BlockAllocator", "who holds each block of a KV pool, in shared memory")
+      .def_static(
+          "create",
+          [](const std::vector<int64_t>& shape, at::ScalarType dtype, uint64_t max_blocks) {
+            return Allocator::create(BlockLayout{shape, static_cast<int32_t>(dtype), 0}, max_blocks);
+          },
+          py::arg("shape"), py::arg("dtype"), py::arg("max_blocks"))
+      .def_static(
+          "attach",
+          [](const std::string& name, uint32_t pid, uint64_t start_time) {
+            return Allocator::attach(name, ProcessId{pid, start_time});
+          },
+          py::arg("name"), py::arg("pid"), py::arg("start_time"))
+      .def_static("self_process", [=] { return process(self_process()); })
+      .def_property_readonly("name", &Allocator::name)
+      .def_property_readonly("layout",
+                             [](const Allocator& a) {
+                               BlockLayout l = a.layout();
+                               return py::make_tuple(l.shape, static_cast<at::ScalarType>(l.dtype), l.block_bytes);
+                             })
+      .def_property_readonly("num_blocks", &Allocator::num_blocks)
+      .def_property_readonly("max_blocks", &Allocator::max_blocks)
+      .def_property_readonly("free_blocks", &Allocator::free_blocks)
+      .def_property_readonly("slot", &Allocator::slot)
+      .def("allocate", &Allocator::allocate, py::arg("n"))
+      .def("free", [=](Allocator& a, const py::bytes& ids) {
+        auto [p, n] = ids_of(ids);
+        a.free(p, n);
+      })
+      .def("take_over",
+           [=](Allocator& a, const py::bytes& ids, uint32_t slot, uint32_t pid, uint64_t start_time) {
+             auto [p, n] = ids_of(ids);
+             a.take_over(p, n, slot, ProcessId{pid, start_time});
+           })
+      .def("reclaim_dead", &Allocator::reclaim_dead)
+      .def("holder_of", [=](const Allocator& a, int64_t id) { return process(a.holder_of(id)); })
+      .def("holders",
+           [=](const Allocator& a) {
+             py::list out;
+             for (const auto& h : a.holders()) out.append(py::make_tuple(process(h.process), h.blocks));
+             return out;
+           })
+      .def("held_by_self", &Allocator::held_by_self)
+      .def("add_chunk", [](Allocator& a, uint64_t count, const py::bytes& d) { a.add_chunk(count, d); })
+      .def("chunks",
+           [](const Allocator& a, size_t from) {
+             py::list out;
+             for (const auto& c : a.chunks(from)) out.append(py::make_tuple(c.first, c.count, py::bytes(c.descriptor)));
+             return out;
+           })
+      .def("unlink", &Allocator::unlink);
+  // ---- end KV pool ----
 
   // ---- test-only: torch_ipc._C._testing, not part of the package's API ----
   py::module_ testing = m.def_submodule("_testing", "primitives torch_ipc's own tests drive directly");
