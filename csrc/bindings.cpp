@@ -268,6 +268,11 @@ PYBIND11_MODULE(_C, m) {
         auto [p, n] = ids_of(ids);
         a.free(p, n);
       })
+      .def("check_held",
+           [=](const Allocator& a, const py::bytes& ids) {
+             auto [p, n] = ids_of(ids);
+             a.check_held(p, n);
+           })
       .def("take_over",
            [=](Allocator& a, const py::bytes& ids, uint32_t slot, uint32_t pid, uint64_t start_time) {
              auto [p, n] = ids_of(ids);
@@ -295,6 +300,10 @@ PYBIND11_MODULE(_C, m) {
   // ---- test-only: torch_ipc._C._testing, not part of the package's API ----
   py::module_ testing = m.def_submodule("_testing", "primitives torch_ipc's own tests drive directly");
   testing.def("vmm_mapping_view", &vmm_mapping_view, py::arg("tensor"));
+  testing.def("kv_stall_mid_operation", [](BlockAllocator& a) {
+    py::gil_scoped_release release;
+    a.stall_mid_operation_for_tests();
+  });
   // fd passing primitives: publish fds of this process, fetch another's.
   testing.def("fd_self", [] { return py::make_tuple(self_process().pid, self_process().start_time); });
   testing.def("fd_socket_name", [](uint32_t pid, uint64_t start_time) {

@@ -3,6 +3,7 @@
 #include "block_allocator.h"
 
 #include <pthread.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -352,6 +353,11 @@ void BlockAllocator::free(const int64_t* ids, size_t n) {
   h->processes[slot_].held -= n;
 }
 
+void BlockAllocator::check_held(const int64_t* ids, size_t n) const {
+  Lock lock(*this);
+  check_ids_locked(ids, n, slot_ + 1, "hand over");
+}
+
 void BlockAllocator::take_over(const int64_t* ids, size_t n, uint32_t from_slot, const ProcessId& from) {
   check_not_forked();
   Header* h = header();
@@ -429,6 +435,12 @@ void BlockAllocator::add_chunk(uint64_t count, const std::string& descriptor) {
   for (uint64_t id = first + count; id-- > first;) stack[n_free++] = static_cast<uint32_t>(id);
   h->free_count.store(n_free);
   h->num_blocks.store(first + count);
+}
+
+void BlockAllocator::stall_mid_operation_for_tests() {
+  Lock lock(*this);
+  header()->free_count.store(0);
+  for (;;) pause();
 }
 
 std::vector<PoolChunk> BlockAllocator::chunks(size_t from) const {

@@ -69,6 +69,8 @@ class __attribute__((visibility("hidden"))) BlockAllocator {
   // Give back blocks this process holds. All or nothing: IndexError for an id
   // out of range, ValueError for a repeated id or one this process does not hold.
   void free(const int64_t* ids, size_t n);
+  // Check that this process holds every block (errors as free()).
+  void check_held(const int64_t* ids, size_t n) const;
   // Take over blocks that `from` (attached in slot from_slot) holds: how a
   // hand-over moves them to the reader. All or nothing, errors as free().
   void take_over(const int64_t* ids, size_t n, uint32_t from_slot, const ProcessId& from);
@@ -84,6 +86,9 @@ class __attribute__((visibility("hidden"))) BlockAllocator {
   void add_chunk(uint64_t count, const std::string& descriptor);
   // The chunks from index `from` on.
   std::vector<PoolChunk> chunks(size_t from) const;
+  // For tests: take the lock, leave the free count as a half-done operation
+  // would, and never return (the test kills this process).
+  [[noreturn]] void stall_mid_operation_for_tests();
   // Remove the segment's name (the creator, at close); mappings stay valid.
   void unlink() { shm_->unlink(); }
 
