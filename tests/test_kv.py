@@ -398,9 +398,10 @@ def test_a_grown_pool_is_seen_by_attached_processes(device, ipc_peer):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_pool_outlives_its_owner(device):
+def test_pool_outlives_its_owner(device, ipc_spawn):
     """The owner is killed: attached processes keep the memory (CPU shared
-    memory; CUDA SharedPool memory) and the allocator, and its blocks return."""
+    memory; CUDA SharedPool memory) and the allocator, and its blocks return;
+    nobody new can attach."""
     with Peer(timeout=60, name="kv-owner") as owner:
         data = owner.call(make_pool_and_hold, device, 8)
         pool = SharedKVPool.attach(data, SHAPE, torch.int32)
@@ -410,6 +411,7 @@ def test_pool_outlives_its_owner(device):
     ids = pool.allocate(8)
     pool.scatter(ids, torch.full((8, *SHAPE), 3, dtype=torch.int32))
     assert bool(pool.gather(ids).eq(3).all())
+    assert ipc_spawn(attach_error, data) == "ProducerGoneError"
     pool.close()
 
 
@@ -425,3 +427,11 @@ def test_gather_scatter_check_their_arguments(pool):
     src = torch.randint(0, 100, (3, *SHAPE), dtype=torch.int32)
     pool.scatter([5, 0, 9], src)
     assert torch.equal(pool.gather([5, 0, 9]), src) and torch.equal(pool.block(9), src[2])
+
+
+def attach_error(data: bytes) -> str:
+    try:
+        SharedKVPool.attach(data)
+    except Exception as e:
+        return type(e).__name__
+    return "attached"

@@ -372,13 +372,14 @@ class SharedKVPool:
         # Pinned, so the copy is queued on the stream and the host does not wait for it.
         return index.pin_memory().to(self._device, non_blocking=True)
 
-    def _rows(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` [n, *block_shape] as rows of the widest integer that divides a block
-        (index kernels move one element per thread: wider elements, fewer threads)."""
-        raw = t.reshape(t.shape[0], -1).view(torch.uint8)
-        for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-            if self.block_bytes % size == 0:
-                return raw.view(dtype)
+    def _rows(self, *tensors: torch.Tensor) -> List[torch.Tensor]:
+        """Each of `tensors` [n, *block_shape] as rows of the widest element that
+        divides a block and suits every tensor's offset (index kernels move one
+        element per thread: wider elements, fewer threads; copies are bitwise)."""
+        raw = [t.reshape(t.shape[0], -1).view(torch.uint8) for t in tensors]
+        for dtype, size in ((torch.complex128, 16), (torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+            if self.block_bytes % size == 0 and all(r.storage_offset() % size == 0 for r in raw):
+                return [r.view(dtype) for r in raw]
         return raw
 
     def gather(self, ids: Ids, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -399,9 +400,8 @@ class SharedKVPool:
                 f"out must be a contiguous {self.dtype} tensor of shape {(len(packed), *self.block_shape)} "
                 f"on {self._device}"
             )
-        rows = self._rows(out)
         for chunk, index, positions in self._index(packed):
-            source = self._rows(self._chunks[chunk])
+            source, rows = self._rows(self._chunks[chunk], out)
             if positions is None:
                 torch.index_select(source, 0, index, out=rows)
             else:
@@ -416,10 +416,10 @@ class SharedKVPool:
             raise ValueError(f"src must be a {self.dtype} tensor of shape {(len(packed), *self.block_shape)}")
         if len(set(packed)) != len(packed):
             raise ValueError("torch_ipc: scatter() into a block listed twice")
-        src_rows = self._rows(src.to(self.device).contiguous())
+        src = src.to(self.device).contiguous()
         for chunk, index, positions in self._index(packed):
-            rows = src_rows if positions is None else src_rows[positions]
-            self._rows(self._chunks[chunk]).index_copy_(0, index, rows)
+            target, rows = self._rows(self._chunks[chunk], src)
+            target.index_copy_(0, index, rows if positions is None else rows[positions])
 
     # ------------------------------------------------------------------ ownership
 
@@ -535,7 +535,7 @@ class SharedKVPool:
         ids.frombytes(packed)
         if transfer:
             self._allocator.take_over(packed, slot, pid, start)
-        if ids and max(ids) >= self._mapped:
+        if self._allocator.num_blocks != self._mapped:  # grown: map the new chunks first
             self.refresh()
         if event is not None:
             event.wait(stream)
