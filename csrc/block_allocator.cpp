@@ -194,7 +194,9 @@ std::unique_ptr<BlockAllocator> BlockAllocator::attach(const std::string& name, 
   return a;
 }
 
-BlockAllocator::~BlockAllocator() {
+void BlockAllocator::detach() noexcept {
+  if (detached_) return;
+  detached_ = true;
   if (in_forked_child()) {  // the parent's slot, Note [fork]
     shm_->disown();
     return;
@@ -205,6 +207,12 @@ BlockAllocator::~BlockAllocator() {
   } catch (const std::exception& e) {
     TORCH_WARN("torch_ipc: detaching from KV pool ", name(), " failed: ", e.what());
   }
+}
+
+BlockAllocator::~BlockAllocator() { detach(); }
+
+void BlockAllocator::check_attached() const {
+  TORCH_CHECK(!detached_, "torch_ipc: this process detached from KV pool ", name());
 }
 
 void BlockAllocator::register_self() {
@@ -296,6 +304,7 @@ uint64_t BlockAllocator::free_blocks() const { return header()->free_count.load(
 
 std::vector<int64_t> BlockAllocator::allocate(uint64_t n) {
   check_not_forked();
+  check_attached();
   Header* h = header();
   Lock lock(*this);
   if (h->free_count.load() < n) reclaim_dead_locked();
@@ -339,6 +348,7 @@ void BlockAllocator::check_ids_locked(const int64_t* ids, size_t n, uint32_t hol
 
 void BlockAllocator::free(const int64_t* ids, size_t n) {
   check_not_forked();
+  check_attached();
   Header* h = header();
   Lock lock(*this);
   check_ids_locked(ids, n, slot_ + 1, "free");
@@ -354,12 +364,14 @@ void BlockAllocator::free(const int64_t* ids, size_t n) {
 }
 
 void BlockAllocator::check_held(const int64_t* ids, size_t n) const {
+  check_attached();
   Lock lock(*this);
   check_ids_locked(ids, n, slot_ + 1, "hand over");
 }
 
 void BlockAllocator::take_over(const int64_t* ids, size_t n, uint32_t from_slot, const ProcessId& from) {
   check_not_forked();
+  check_attached();
   Header* h = header();
   TORCH_CHECK_VALUE(from_slot < kMaxProcesses, "torch_ipc: malformed hand-over: process slot ", from_slot);
   Lock lock(*this);

@@ -51,7 +51,9 @@ class __attribute__((visibility("hidden"))) BlockAllocator {
   // Attach to an existing segment. ProducerGone when the name is gone and
   // its creator exited, DescriptorError when it is not a pool's segment.
   static std::unique_ptr<BlockAllocator> attach(const std::string& name, const ProcessId& creator);
-  // Detaches: gives back every block this process holds.
+  // Detach: give back every block this process holds and free its process
+  // slot. Idempotent; the destructor detaches if this was not called.
+  void detach() noexcept;
   ~BlockAllocator();
   BlockAllocator(const BlockAllocator&) = delete;
   BlockAllocator& operator=(const BlockAllocator&) = delete;
@@ -97,6 +99,7 @@ class __attribute__((visibility("hidden"))) BlockAllocator {
   BlockAllocator(std::unique_ptr<ShmMapping> shm);
   Header* header() const;
   void register_self();
+  void check_attached() const;
   void rebuild_locked();
   uint64_t reclaim_dead_locked();
   void release_slot_locked(uint32_t slot);
@@ -104,6 +107,7 @@ class __attribute__((visibility("hidden"))) BlockAllocator {
 
   std::unique_ptr<ShmMapping> shm_;
   uint32_t slot_ = 0;
+  bool detached_ = false;
 };
 
 }  // namespace torch_ipc

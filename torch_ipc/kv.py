@@ -566,6 +566,7 @@ class SharedKVPool:
             self._allocator.unlink()
             for exported in self._exports:
                 exported.revoke()
+        self._allocator.detach()
         self._exports = []
         self._chunks = []
         self._events = {}
