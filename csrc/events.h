@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 
 #include "descriptor.h"
 
@@ -15,8 +16,9 @@ namespace torch_ipc {
 using AliveFn = std::function<bool(const ProcessId&)>;
 
 // Producer: record an interprocess event on torch's current stream of
-// `device` (Note [event pool]) and return its IPC handle.
-Handle64 record_export_event(int device);
+// `device` (Note [event pool]) and return its IPC handle; nothing when that
+// stream has no work left (Note [ordering without waiting]).
+std::optional<Handle64> record_export_event(int device);
 
 // Consumer: order torch's current stream of `device` after the event `handle`
 // that `producer` recorded (this process included), without a stream wait
