@@ -214,6 +214,11 @@ def test_create_errors():
         SharedKVPool(4, SHAPE, torch.int32, max_blocks=2)
     with pytest.raises(ValueError, match="cpu or cuda"):
         SharedKVPool(4, SHAPE, torch.int32, "meta")
+    with pytest.raises(TypeError, match="torch.dtype"):
+        SharedKVPool(4, SHAPE, "int32")
+    if not torch.cuda.is_available():
+        with pytest.raises(torch_ipc.CudaUnavailableError):
+            SharedKVPool(4, SHAPE, torch.int32, "cuda")
 
 
 # ----------------------------------------------------------------------------- ownership
@@ -249,16 +254,17 @@ def test_allocate_free_and_errors(pool, ipc_peer):
     assert pool.free_blocks == 16 and pool.holder_of(theirs[0]) is None
 
 
-def test_three_processes_allocate_and_free_concurrently():
+@pytest.mark.parametrize("device", DEVICES)
+def test_three_processes_allocate_and_free_concurrently(device):
     num_blocks = 24
-    with SharedKVPool(num_blocks, SHAPE, torch.int32) as pool:
+    with SharedKVPool(num_blocks, SHAPE, torch.int32, device) as pool:
         data = torch_ipc.dumps(pool)
         peers = [Peer(timeout=120, name=f"kv-churn-{i}") for i in range(3)]
         try:
             seed = u.new_seed()
             print("seed", seed)
             for i, p in enumerate(peers):
-                p.start_call(churn, data, 1500, seed + i)
+                p.start_call(churn, data, 1500 if device == "cpu" else 500, seed + i)
             handed_out = [p.result() for p in peers]
         finally:
             for p in peers:
@@ -269,6 +275,7 @@ def test_three_processes_allocate_and_free_concurrently():
         assert sorted(pool.allocate(num_blocks)) == list(range(num_blocks))  # nothing lost
 
 
+@pytest.mark.parametrize("pool", DEVICES, indirect=True)
 def test_blocks_of_a_killed_holder_return(pool):
     with Peer(timeout=60, name="kv-victim") as victim:
         victim.call(attach, torch_ipc.dumps(pool))
