@@ -214,6 +214,7 @@ def test_no_fd_leaks_on_either_side():
         # Warm up: the server thread, and the pidfd that process_alive() caches per producer.
         _fetch((pid, start), ident, mode="socket")
         _fetch((pid, start), ident, fds, mode="auto")
+        _C.sweep()  # closes now the pidfds of processes of earlier tests, as the collector would
         theirs, ours = producer.call(_fd_count), _fd_count()
         for i in range(200):
             mode = "socket" if i % 2 else "auto"
