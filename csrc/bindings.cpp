@@ -7,6 +7,7 @@
 #include "errors.h"
 #include "export.h"
 #include "fd_passing.h"
+#include "fork.h"
 #include "host_memory.h"
 #include "import.h"
 #include "process.h"
@@ -147,6 +148,7 @@ py::dict stats() {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
+  install_fork_handler();  // Note [fork] in process.h
   m.doc() = "torch_ipc's C++ core: descriptors, export/import, leases, CUDA driver";
   // Local: only the functions of this module, before pybind11's own translators.
   py::register_local_exception_translator(&translate);
@@ -177,7 +179,6 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("close_idle") = false);
   m.def("shutdown", [] {
-    if (in_forked_child()) return;  // the parent's segments are not ours to unlink
     try {
       flush_imports();
     } catch (const CudaUnavailable&) {

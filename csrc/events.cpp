@@ -10,6 +10,7 @@
 #include "cuda_context.h"
 #include "cuda_driver.h"
 #include "errors.h"
+#include "fork.h"
 #include "process.h"
 
 namespace torch_ipc {
@@ -44,10 +45,7 @@ struct Events {
   std::map<Handle64, OpenedEvent> opened;   // consumer side, by handle
 };
 
-Events& events() {
-  static Events* e = new Events();  // outlives static destructors
-  return *e;
-}
+Events& events() { return *process_state<Events>(); }
 
 PooledEvent& next_pooled_event(Events& e, int device) {
   EventPool& pool = e.pools[device];
@@ -88,6 +86,8 @@ CUevent open_event(Events& e, const Handle64& handle, const ProcessId& producer,
 }
 
 }  // namespace
+
+void events_forget_after_fork() { forget_after_fork<Events>(); }
 
 Handle64 record_export_event(int device) {
   Events& e = events();

@@ -218,7 +218,7 @@ bool Export::live() const {
 }
 
 void Export::revoke() {
-  if (revoked_.exchange(true) || in_forked_child()) return;
+  if (made_.inherited() || revoked_.exchange(true)) return;
   if (own_ && export_is_live(*own_)) lease_revoke_tokens(*own_);
   for (const auto& lease : forwarded_) lease_remove_deliveries(lease, self_process().pid, consumers_);
 }
@@ -226,7 +226,6 @@ void Export::revoke() {
 std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
                                        const std::vector<bool>& is_parameter,
                                        const std::string& payload, uint32_t consumers) {
-  check_not_forked();
   TORCH_CHECK(consumers >= 1, "torch_ipc: consumers must be at least 1");
   TORCH_CHECK(is_parameter.empty() || is_parameter.size() == tensors.size(),
               "torch_ipc: is_parameter must have one entry per tensor");
@@ -256,7 +255,6 @@ std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
 }
 
 int collect_exports() {
-  if (in_forked_child()) return 0;
   vmm_collect();  // VMM exports of storages that died since the last call
   forget_dead_locations();
   return drop_exports([](const ExportRecord& r) { return lease_try_reclaim(r.lease); });

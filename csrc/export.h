@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "descriptor.h"
+#include "process.h"
 
 namespace torch_ipc {
 
@@ -42,6 +43,7 @@ class __attribute__((visibility("hidden"))) Export {
   std::vector<LeaseRecord> forwarded_;
   uint32_t consumers_;
   std::atomic<bool> revoked_{false};
+  MadeHere made_;  // in a forked child, revoke() leaves the parent's message alone
 };
 
 // `is_parameter[i]`: rebuild tensor i as an nn.Parameter (Python knows, C++ does not).

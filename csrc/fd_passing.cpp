@@ -23,6 +23,7 @@
 #include <c10/util/Exception.h>
 
 #include "errors.h"
+#include "fork.h"
 #include "process.h"
 
 #ifndef SYS_pidfd_open
@@ -80,14 +81,13 @@ struct Server {
   std::mutex mu;
   std::unordered_map<uint64_t, std::vector<PublishedItem>> published;
   std::mt19937_64 rng{std::random_device{}()};
-  pid_t started_by = 0;  // the pid whose thread serves; another pid (a fork) restarts
+  pid_t started_by = 0;  // the pid whose thread serves
+  int listening = -1;    // its socket
   std::atomic<int64_t> served{0}, refused{0};
 };
 
-Server& server() {
-  static Server* s = new Server();  // the thread uses it until the process ends
-  return *s;
-}
+// The thread uses it until the process ends; a forked child has none.
+Server& server() { return *process_state<Server>(); }
 
 std::atomic<int64_t> via_socket{0}, via_pidfd{0}, pidfd_refused{0};
 
@@ -221,8 +221,6 @@ void serve_forever(int listener) {
 // Called with s.mu held.
 void ensure_server(Server& s) {
   if (s.started_by == getpid()) return;
-  // A fork inherits the parent's table but not its thread, and has another name.
-  s.published.clear();
   int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   if (fd < 0) throw_os_error("socket(AF_UNIX, SOCK_SEQPACKET)", "for the fd server");
   socklen_t len;
@@ -239,6 +237,7 @@ void ensure_server(Server& s) {
   }
   std::thread(serve_forever, fd).detach();  // lives as long as the process
   s.started_by = getpid();
+  s.listening = fd;
 }
 
 int pidfd_open(pid_t pid) { return static_cast<int>(syscall(SYS_pidfd_open, pid, 0)); }
@@ -428,6 +427,14 @@ FdTransport fd_transport_from_env() {
   if (std::strcmp(v, "socket") == 0) return FdTransport::Socket;
   if (std::strcmp(v, "pidfd") == 0) return FdTransport::Pidfd;
   TORCH_CHECK(false, "torch_ipc: TORCH_IPC_FD_TRANSPORT must be auto, socket or pidfd, not '", v, "'");
+}
+
+// The child closes its copy of the parent's listening socket (a child that
+// outlives its parent would keep the parent's name bound, unserved) and
+// serves nothing of the parent's: Note [fork].
+void fd_server_forget_after_fork() {
+  if (server().listening >= 0) ::close(server().listening);
+  forget_after_fork<Server>();
 }
 
 std::string fd_socket_name(const ProcessId& p) {

@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include "errors.h"
+#include "fork.h"
 #include "process.h"
 #include "shm.h"
 
@@ -39,10 +40,8 @@ uint32_t holder_count(uint64_t w) { return static_cast<uint32_t>(w); }
 
 class Leases {
  public:
-  static Leases& get() {
-    static Leases* instance = new Leases();  // never destroyed: used by deleters at exit
-    return *instance;
-  }
+  // A forked child starts with no segment (the parent's stay linked: Note [fork]).
+  static Leases& get() { return *process_state<Leases>(); }
 
   LeaseRecord acquire(uint32_t tokens) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -286,6 +285,8 @@ void lease_take_token(const LeaseRecord& lease, bool take) {
   if (s->generation.load() != lease.generation) throw_released(lease);
   if (take) take_one_token(s);
 }
+
+void leases_forget_after_fork() { forget_after_fork<Leases>(); }
 
 void lease_unlink_own_segments() { Leases::get().unlink_own(); }
 void lease_drop_dead_segments() { Leases::get().drop_dead_foreign(); }

@@ -1,5 +1,7 @@
 #include "registry.h"
 
+#include "fork.h"
+
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -23,10 +25,9 @@ struct Exports {
   std::map<LeaseKey, std::unique_ptr<ExportRecord>> records;
 };
 
-Exports& exports() {
-  static Exports* e = new Exports();  // outlives static destructors
-  return *e;
-}
+// A forked child starts with no record, leaking the parent's: their storages
+// are the parent's to free (Note [fork]).
+Exports& exports() { return *process_state<Exports>(); }
 
 }  // namespace
 
@@ -41,6 +42,8 @@ std::optional<ImportedOrigin> imported_origin(const c10::Storage& storage) {
   const auto* ctx = static_cast<const ImportedStorage*>(storage.data_ptr().get_context());
   return ImportedOrigin{ctx->where, ctx->hold->lease};
 }
+
+void exports_forget_after_fork() { forget_after_fork<Exports>(); }
 
 void register_export(std::unique_ptr<ExportRecord> record) {
   Exports& e = exports();

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "descriptor.h"
+#include "process.h"
 
 namespace torch_ipc {
 
@@ -41,6 +42,7 @@ struct Mapping;
 struct Hold {
   LeaseRecord lease;
   std::vector<std::shared_ptr<Mapping>> mappings;
+  MadeHere made;  // a forked child leaves its parent's holds alone
   ~Hold();
 };
 
