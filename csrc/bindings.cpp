@@ -12,6 +12,7 @@
 #include "import.h"
 #include "process.h"
 #include "refcount.h"
+#include "registry.h"
 #include "vmm.h"
 
 namespace py = pybind11;
@@ -170,6 +171,16 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("data"));
   m.def("describe", &describe, py::arg("data"));
+  // Note [torch never sees our storages] in _reductions.py
+  m.def(
+      "is_torch_ipc_storage",
+      [](const at::Tensor& t) {
+        if (!t.defined() || !t.has_storage()) return false;
+        const c10::Storage& s = t.storage();
+        return imported_origin(s).has_value() || is_host_shared(s) ||
+               (t.is_cuda() && vmm_is_pool_storage(s));
+      },
+      py::arg("tensor"));
   m.def(
       "collect",
       [](bool close_idle) {

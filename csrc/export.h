@@ -47,6 +47,7 @@ class __attribute__((visibility("hidden"))) Export {
 };
 
 // `is_parameter[i]`: rebuild tensor i as an nn.Parameter (Python knows, C++ does not).
+// `consumers`: loads to wait for; 0 for an open-ended export (Note [open-ended exports]).
 std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
                                        const std::vector<bool>& is_parameter,
                                        const std::string& payload, uint32_t consumers);

@@ -44,6 +44,10 @@ void delete_owned_host_segment(void* ctx) { delete static_cast<OwnedHostSegment*
 
 }  // namespace
 
+bool is_host_shared(const c10::Storage& storage) {
+  return storage.data_ptr().get_deleter() == &delete_owned_host_segment;
+}
+
 HostSegment ensure_host_shared(const c10::Storage& storage) {
   const c10::DataPtr& current = storage.data_ptr();
   if (current.get_deleter() == &delete_owned_host_segment) {

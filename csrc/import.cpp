@@ -256,7 +256,7 @@ std::vector<std::shared_ptr<Hold>> take_holds(Consumer& c, const Descriptor& d, 
       holds[i] = std::make_shared<Hold>();
       holds[i]->lease = l;
     }
-    if (forwarded) lease_remove_deliveries(l, d.producer.pid, 1);
+    if (forwarded && !(d.flags & kOpenEnded)) lease_remove_deliveries(l, d.producer.pid, 1);
   }
   return holds;
 }
