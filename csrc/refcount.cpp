@@ -181,7 +181,8 @@ bool has_living_holder(Slot* s) {
   throw Released("torch_ipc: this export was already released by its producer (pid " +
                  std::to_string(lease.owner.pid) +
                  "): every consumer it was sent to has loaded and released it. "
-                 "Pass consumers=N to dumps() to share one descriptor with N loads.");
+                 "Pass consumers=N to dumps() to share one descriptor with N loads, or "
+                 "consumers=None for any number of loads while the producer keeps the tensors.");
 }
 
 // Register n holds under `holder` (a pid, or a forwarder's delivery word),

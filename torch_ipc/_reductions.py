@@ -125,7 +125,9 @@ def _inherit() -> _InheritReductions:
 
 def init_reductions() -> None:
     """Make multiprocessing (and torch.multiprocessing) carry tensors through
-    torch_ipc. Idempotent; undo with :func:`restore_reductions`.
+    torch_ipc. Idempotent; undo with :func:`restore_reductions`. Children
+    started afterwards have them on too (Note [spawned children inherit the
+    reductions]).
 
     Example::
 
