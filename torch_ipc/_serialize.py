@@ -261,6 +261,8 @@ def _ensure_cuda() -> None:
     global _cuda_ready
     if _cuda_ready:
         return
+    if torch.cuda._is_in_bad_fork():
+        torch.cuda.init()  # raises torch's own error: no CUDA after fork (Note [fork])
     if not torch.cuda.is_available():
         ok, why = _C.cuda_available()
         raise CudaUnavailableError(
