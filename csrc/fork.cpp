@@ -16,6 +16,7 @@ void after_fork_in_child() {
   imports_forget_after_fork();
   host_forget_after_fork();
   events_forget_after_fork();
+  ipc_events_forget_after_fork();
   locations_forget_after_fork();
   vmm_forget_after_fork();
   fd_server_forget_after_fork();

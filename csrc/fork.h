@@ -29,6 +29,7 @@ void exports_forget_after_fork();     // registry.cpp: live exports
 void imports_forget_after_fork();     // import.cpp: holds, pending releases, mappings
 void host_forget_after_fork();        // host_memory.cpp: own shared memory segments
 void events_forget_after_fork();      // events.cpp: event pools and opened events
+void ipc_events_forget_after_fork();  // ipc_event.cpp: IpcEvents this process made
 void locations_forget_after_fork();   // locate.cpp: cached locations
 void vmm_forget_after_fork();         // vmm_export.cpp: published VMM chunks
 void fd_server_forget_after_fork();   // fd_passing.cpp: the fd server and what it serves
