@@ -7,6 +7,7 @@
 #include "errors.h"
 #include "export.h"
 #include "fd_passing.h"
+#include "fork.h"
 #include "host_memory.h"
 #include "import.h"
 #include "ipc_event.h"
@@ -14,6 +15,7 @@
 #include "process.h"
 #include "refcount.h"
 #include "sweep.h"
+#include "registry.h"
 #include "vmm.h"
 
 namespace py = pybind11;
@@ -151,6 +153,7 @@ py::dict stats() {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
+  install_fork_handler();  // Note [fork] in process.h
   m.doc() = "torch_ipc's C++ core: descriptors, export/import, leases, CUDA driver";
   // Local: only the functions of this module, before pybind11's own translators.
   py::register_local_exception_translator(&translate);
@@ -172,6 +175,16 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("data"));
   m.def("describe", &describe, py::arg("data"));
+  // Note [torch never sees our storages] in _reductions.py
+  m.def(
+      "is_torch_ipc_storage",
+      [](const at::Tensor& t) {
+        if (!t.defined() || !t.has_storage()) return false;
+        const c10::Storage& s = t.storage();
+        return imported_origin(s).has_value() || is_host_shared(s) ||
+               (t.is_cuda() && vmm_is_pool_storage(s));
+      },
+      py::arg("tensor"));
   m.def(
       "collect",
       [](bool close_idle) {
@@ -181,7 +194,6 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("close_idle") = false);
   m.def("shutdown", [] {
-    if (in_forked_child()) return;  // the parent's segments are not ours to unlink
     try {
       flush_imports();
     } catch (const CudaUnavailable&) {

@@ -24,6 +24,7 @@
 
 #include "errors.h"
 #include "names.h"
+#include "fork.h"
 #include "process.h"
 
 #ifndef SYS_pidfd_open
@@ -82,13 +83,12 @@ struct Server {
   std::unordered_map<uint64_t, std::vector<PublishedItem>> published;
   pid_t started_by = 0;  // the pid whose thread serves; another pid (a fork) restarts
   uint32_t tag = 0;      // the random part of its socket name, Note [fd server name]
+  int listening = -1;    // its socket
   std::atomic<int64_t> served{0}, refused{0};
 };
 
-Server& server() {
-  static Server* s = new Server();  // the thread uses it until the process ends
-  return *s;
-}
+// The thread uses it until the process ends; a forked child has none.
+Server& server() { return *process_state<Server>(); }
 
 std::atomic<int64_t> via_socket{0}, via_pidfd{0}, pidfd_refused{0};
 
@@ -248,8 +248,10 @@ void ensure_server(Server& s) {
         s.tag = static_cast<uint32_t>(r);
         return listen_on(fd_socket_name(self_process(), s.tag));
       });
+  s.listening = listener->get();
   std::thread(serve_forever, listener->release()).detach();  // lives as long as the process
   s.started_by = getpid();
+  s.listening = fd;
 }
 
 int pidfd_open(pid_t pid) { return static_cast<int>(syscall(SYS_pidfd_open, pid, 0)); }
@@ -439,6 +441,14 @@ FdTransport fd_transport_from_env() {
   if (std::strcmp(v, "socket") == 0) return FdTransport::Socket;
   if (std::strcmp(v, "pidfd") == 0) return FdTransport::Pidfd;
   TORCH_CHECK(false, "torch_ipc: TORCH_IPC_FD_TRANSPORT must be auto, socket or pidfd, not '", v, "'");
+}
+
+// The child closes its copy of the parent's listening socket (a child that
+// outlives its parent would keep the parent's name bound, unserved) and
+// serves nothing of the parent's: Note [fork].
+void fd_server_forget_after_fork() {
+  if (server().listening >= 0) ::close(server().listening);
+  forget_after_fork<Server>();
 }
 
 uint64_t fd_publish(const std::vector<PublishedItem>& items) {

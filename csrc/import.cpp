@@ -16,6 +16,7 @@
 #include "cuda_driver.h"
 #include "errors.h"
 #include "events.h"
+#include "fork.h"
 #include "host_memory.h"
 #include "names.h"
 #include "process.h"
@@ -34,6 +35,7 @@ struct Mapping {
   std::shared_ptr<void> host;  // the ShmMapping for host memory
   std::shared_ptr<void> vmm;   // the VmmMapping for CudaVmm (unmaps when dropped)
   int64_t idle_since_ns = 0;   // set by collect() when no tensor uses it
+  MadeHere made;               // a forked child leaves its parent's mappings alone
   ~Mapping();
 };
 
@@ -79,10 +81,8 @@ struct Consumer {
   const int64_t max_idle = env_int("TORCH_IPC_IDLE_MAPPINGS", 1024);
 };
 
-Consumer& consumer() {
-  static Consumer* c = new Consumer();  // used by deleters during interpreter exit
-  return *c;
-}
+// A forked child starts with no hold, mapping or pending release (Note [fork]).
+Consumer& consumer() { return *process_state<Consumer>(); }
 
 // Whether processes live, each asked of /proc once per load or collection.
 class Liveness {
@@ -251,7 +251,7 @@ std::vector<std::shared_ptr<Hold>> take_holds(Consumer& c, const Descriptor& d, 
       holds[i] = std::make_shared<Hold>();
       holds[i]->lease = l;
     }
-    if (forwarded) lease_remove_deliveries(l, d.producer.pid, 1);
+    if (forwarded && !(d.flags & kOpenEnded)) lease_remove_deliveries(l, d.producer.pid, 1);
   }
   return holds;
 }
@@ -344,8 +344,10 @@ void build_tensors(const Descriptor& d, const std::vector<c10::Storage>& storage
 
 }  // namespace
 
+void imports_forget_after_fork() { forget_after_fork<Consumer>(); }
+
 Mapping::~Mapping() {
-  if (in_forked_child()) {  // CUDA is unusable here, and the mapping is the parent's
+  if (made.inherited()) {  // CUDA is unusable here, and the mapping is the parent's
     new std::shared_ptr<void>(std::move(vmm));
     return;
   }
@@ -366,7 +368,7 @@ Mapping::~Mapping() {
 // of each device it used and is finished by collect_imports() once those
 // events completed; the host never waits.
 Hold::~Hold() {
-  if (in_forked_child()) {  // the hold is the parent's to release
+  if (made.inherited()) {  // the hold is the parent's to release
     new std::vector<std::shared_ptr<Mapping>>(std::move(mappings));
     return;
   }
@@ -398,7 +400,6 @@ Hold::~Hold() {
 }
 
 ImportResult import_tensors(const std::string& data) {
-  check_not_forked();
   Consumer& c = consumer();
   Liveness alive;
   Descriptor d = decode_and_check(data, alive);
@@ -415,7 +416,6 @@ ImportResult import_tensors(const std::string& data) {
 }
 
 void collect_imports(bool close_idle) {
-  if (in_forked_child()) return;
   Consumer& c = consumer();
   std::vector<std::shared_ptr<Mapping>> closing;  // closed after the lock
   Liveness alive;
@@ -461,7 +461,6 @@ void collect_imports(bool close_idle) {
 }
 
 void flush_imports() {
-  if (in_forked_child()) return;
   Consumer& c = consumer();
   std::lock_guard<std::recursive_mutex> lock(c.mu);
   for (auto& p : c.pending) {

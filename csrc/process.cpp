@@ -80,19 +80,17 @@ Uuid read_boot_id() {
 
 }  // namespace
 
-const ProcessId& self_process() {
-  static const ProcessId self{static_cast<uint32_t>(getpid()),
-                              start_time_of(static_cast<uint32_t>(getpid()))};
+namespace {
+ProcessId& identity() {
+  static ProcessId self{static_cast<uint32_t>(getpid()), start_time_of(static_cast<uint32_t>(getpid()))};
   return self;
 }
+}  // namespace
 
-bool in_forked_child() { return static_cast<uint32_t>(getpid()) != self_process().pid; }
+const ProcessId& self_process() { return identity(); }
 
-void check_not_forked() {
-  // A usage error (how the process was started), so TORCH_CHECK: a RuntimeError.
-  TORCH_CHECK(!in_forked_child(),
-              "torch_ipc cannot be used in a process forked from one that used it: it would act in "
-              "its parent's name. Start worker processes with the 'spawn' method.");
+void reset_identity_after_fork() {
+  identity() = ProcessId{static_cast<uint32_t>(getpid()), start_time_of(static_cast<uint32_t>(getpid()))};
 }
 
 const Uuid& boot_id() {

@@ -12,6 +12,7 @@
 
 #include "errors.h"
 #include "names.h"
+#include "fork.h"
 #include "process.h"
 #include "shm.h"
 #include "sweep.h"
@@ -41,10 +42,8 @@ uint32_t holder_count(uint64_t w) { return static_cast<uint32_t>(w); }
 
 class Leases {
  public:
-  static Leases& get() {
-    static Leases* instance = new Leases();  // never destroyed: used by deleters at exit
-    return *instance;
-  }
+  // A forked child starts with no segment (the parent's stay linked: Note [fork]).
+  static Leases& get() { return *process_state<Leases>(); }
 
   LeaseRecord acquire(uint32_t tokens) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -123,6 +122,13 @@ class Leases {
     return anchor_;
   }
 
+  // In a forked child, before anything else runs (so without the mutex a
+  // parent's thread may have held): the child's copies of the parent's
+  // anchors must not keep the parent's OFD locks alive (Note [sweep]).
+  void disown_after_fork() {
+    for (auto& [n, m] : own_) m->disown();
+  }
+
  private:
   static Slot* slot_in(ShmMapping* m, uint32_t index) {
     return static_cast<Slot*>(m->data()) + index;
@@ -198,7 +204,8 @@ bool has_living_holder(Slot* s) {
   throw Released("torch_ipc: this export was already released by its producer (pid " +
                  std::to_string(lease.owner.pid) +
                  "): every consumer it was sent to has loaded and released it. "
-                 "Pass consumers=N to dumps() to share one descriptor with N loads.");
+                 "Pass consumers=N to dumps() to share one descriptor with N loads, or "
+                 "consumers=None for any number of loads while the producer keeps the tensors.");
 }
 
 // Register n holds under `holder` (a pid, or a forwarder's delivery word),
@@ -301,6 +308,11 @@ void lease_take_token(const LeaseRecord& lease, bool take) {
   Slot* s = Leases::get().slot(lease);
   if (s->generation.load() != lease.generation) throw_released(lease);
   if (take) take_one_token(s);
+}
+
+void leases_forget_after_fork() {
+  Leases::get().disown_after_fork();
+  forget_after_fork<Leases>();
 }
 
 void lease_unlink_own_segments() { Leases::get().unlink_own(); }

@@ -10,7 +10,7 @@ import torch  # noqa: F401  (loads libc10/libtorch before the extension)
 from . import _C
 from ._reductions import init_reductions, reductions, restore_reductions
 from ._serialize import dumps, loads
-from .connection import Connection, Listener, connect, listen
+from .connection import Client, Connection, Listener, connect, listen
 from .errors import (
     CudaError,
     CudaUnavailableError,
@@ -34,6 +34,7 @@ __all__ = [
     "restore_reductions",
     "reductions",
     "Listener",
+    "Client",
     "Connection",
     "listen",
     "connect",

@@ -32,6 +32,21 @@ _started = False
 _stop = threading.Event()
 _pid = -1  # the process that started the collector
 _hooks: List[Callable[[], None]] = []
+_exit_registered = False
+
+
+# Note [fork] (csrc/process.h): a forked child has its own identity and none
+# of its parent's state. Its collector thread did not survive the fork, so
+# it starts its own on first use; its exit hook looks after its own exports.
+def _forget_parent_after_fork() -> None:
+    global _lock, _started, _stop, _pid
+    _lock = threading.Lock()
+    _started = False
+    _stop = threading.Event()
+    _pid = -1
+
+
+os.register_at_fork(after_in_child=_forget_parent_after_fork)
 
 
 def on_collect(hook: Callable[[], None]) -> None:
@@ -82,14 +97,16 @@ def ensure_started() -> None:
         if _started:
             return
         threading.Thread(target=_loop, args=(_interval(),), name="torch_ipc-collector", daemon=True).start()
-        global _pid
+        global _pid, _exit_registered
         _pid = os.getpid()
-        atexit.register(_at_exit)
+        if not _exit_registered:  # a forked child inherits its parent's registration
+            atexit.register(_at_exit)
+            _exit_registered = True
         _started = True
 
 
 def _at_exit() -> None:
-    if os.getpid() != _pid:  # a forked child: what it sees is its parent's (Note [fork])
+    if os.getpid() != _pid:  # this process never used torch_ipc (it inherited the hook)
         return
     _stop.set()
     try:
