@@ -1,0 +1,355 @@
+"""torch_ipc.weights on CPU tensors (the same API as on GPUs): validation,
+name maps, dtype conversion, bucketed == direct, torn updates, several
+subscribers, publisher restart. The GPU twin is test_weights_cuda.py."""
+
+import multiprocessing as mp
+import os
+import secrets
+import signal
+import tempfile
+import threading
+
+import pytest
+import torch
+
+import torch_ipc
+from torch_ipc.weights import Publisher, PublisherGoneError, Subscriber, WeightsMismatchError
+
+from weights_helpers import SHAPES, bits, make_weights
+
+
+def pair(weights, **kwargs):
+    """A publisher and a subscriber of it in this process, over a Pipe."""
+    sub_kwargs = {k: kwargs.pop(k) for k in ("name_map", "transforms", "strict") if k in kwargs}
+    a, b = mp.Pipe()
+    pub = Publisher(weights, **kwargs)
+    pub.attach(a)
+    return pub, Subscriber(b, timeout=5.0, **sub_kwargs)
+
+
+def test_pull_copies_the_published_version():
+    weights = make_weights(seed=1)
+    pub, sub = pair(weights)
+    model = make_weights(fill=0.0)
+    assert pub.publish() == 1
+    assert sub.pull(into=model) == 1
+    assert bits(model) == bits(weights)
+    for t in weights.values():  # training goes on: the next pull sees the change
+        t.add_(1)
+    assert pub.publish() == 2
+    assert sub.pull(model, newer_than=1) == 2
+    assert bits(model) == bits(weights)
+    assert sub.stats["path"] == "foreach" and sub.stats["launches"] == 1
+
+
+def test_publish_snapshots_so_later_writes_are_not_seen():
+    weights = make_weights(seed=2)
+    pub, sub = pair(weights)
+    pub.publish()
+    expected = bits(weights)
+    for t in weights.values():
+        t.fill_(123.0)
+    model = make_weights(fill=0.0)
+    sub.pull(model)
+    assert bits(model) == expected
+
+
+def test_pull_into_a_module():
+    src = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LayerNorm(4))
+    dst = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LayerNorm(4))
+    pub, sub = pair(src)
+    pub.publish()
+    sub.pull(into=dst)
+    assert bits(dst.state_dict()) == bits(src.state_dict())
+
+
+def test_missing_extra_and_shape_mismatch_in_one_error_before_any_copy():
+    weights = make_weights(seed=3)
+    pub, sub = pair(weights)
+    pub.publish()
+    model = make_weights(fill=0.0)
+    del model["head.bias"]                            # extra on the publisher's side
+    model["unknown.weight"] = torch.zeros(3)          # missing
+    model["embed.weight"] = torch.zeros(32, 16)       # shape mismatch
+    before = bits(model)
+    with pytest.raises(WeightsMismatchError) as info:
+        sub.pull(model)
+    message = str(info.value)
+    assert "missing: unknown.weight" in message
+    assert "extra (published, not in the model): head.bias" in message
+    assert "shape mismatch: embed.weight: model (32, 16), published embed.weight (33, 16)" in message
+    assert len(info.value.problems) == 3
+    assert bits(model) == before  # nothing copied
+    assert sub.version == 0
+
+
+def test_dtype_mismatch_is_listed():
+    pub, sub = pair({"w": torch.ones(4)})
+    pub.publish()
+    with pytest.raises(WeightsMismatchError, match="dtype mismatch: w"):
+        sub.pull({"w": torch.zeros(4, dtype=torch.int32)})
+
+
+def test_strict_false_ignores_extra():
+    weights = make_weights(seed=4)
+    pub, sub = pair(weights, strict=False)
+    pub.publish()
+    model = {"embed.weight": torch.zeros(33, 16)}
+    sub.pull(model)
+    assert torch.equal(model["embed.weight"], weights["embed.weight"])
+
+
+def test_dtype_conversion_matches_torch():
+    weights = make_weights(seed=5)
+    weights["embed.weight"][0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40])
+    pub, sub = pair(weights)
+    pub.publish()
+    model = make_weights(dtype=torch.bfloat16, fill=0.0)
+    sub.pull(model)
+    assert bits(model) == bits({n: t.to(torch.bfloat16) for n, t in weights.items()})
+
+
+def test_publisher_dtype_converts_at_publish():
+    weights = make_weights(seed=6)
+    pub, sub = pair(weights, dtype=torch.bfloat16)
+    pub.publish()
+    model = make_weights(dtype=torch.bfloat16, fill=0.0)
+    sub.pull(model)
+    assert bits(model) == bits({n: t.to(torch.bfloat16) for n, t in weights.items()})
+
+
+def test_name_map_fuses_qkv_and_renames():
+    weights = make_weights(seed=7)
+    name_map = {"block.qkv.weight": ("block.q.weight", "block.k.weight", "block.v.weight"), "norm": "block.norm"}
+    pub, sub = pair(weights, name_map=name_map)
+    pub.publish()
+    model = {n: torch.zeros(s) for n, s in SHAPES.items() if not n.startswith("block.")}
+    model["block.qkv.weight"] = torch.zeros(32, 16)
+    model["norm"] = torch.zeros(16)
+    sub.pull(model)
+    fused = torch.cat([weights["block.q.weight"], weights["block.k.weight"], weights["block.v.weight"]])
+    assert torch.equal(model["block.qkv.weight"], fused)
+    assert torch.equal(model["norm"], weights["block.norm"])
+    assert torch.equal(model["embed.weight"], weights["embed.weight"])
+
+
+def test_name_map_shape_mismatch_of_a_concatenation():
+    pub, sub = pair(make_weights(seed=8), strict=False,
+                    name_map={"qkv": ("block.q.weight", "block.k.weight")})
+    pub.publish()
+    with pytest.raises(WeightsMismatchError, match=r"qkv: model \(32, 16\).*concatenated on dim 0"):
+        sub.pull({"qkv": torch.zeros(32, 16)})
+
+
+def test_transform_hook():
+    weights = make_weights(seed=9)
+    pub, sub = pair(weights, strict=False,
+                    transforms={"norm_t": ("block.norm", lambda t: t.flip(0) * 2)})
+    pub.publish()
+    model = {"norm_t": torch.zeros(16)}
+    sub.pull(model)
+    assert torch.equal(model["norm_t"], weights["block.norm"].flip(0) * 2)
+    assert sub.stats["transforms"] == 1
+
+
+def test_view_is_zero_copy_of_the_newest_version():
+    weights = make_weights(seed=10)
+    pub, sub = pair(weights)
+    pub.publish()
+    with sub.view() as views:
+        assert bits(views) == bits(weights)
+        first = views["embed.weight"].data_ptr()
+    for t in weights.values():
+        t.add_(1)
+    pub.publish()
+    with sub.view(newer_than=1) as views:
+        assert views["embed.weight"].data_ptr() == first  # the same shared memory, no copy
+        assert bits(views) == bits(weights)
+
+
+def test_publish_waits_for_an_open_view():
+    weights = {"w": torch.zeros(1000)}
+    pub, sub = pair(weights)
+    pub.publish()
+    published = threading.Event()
+    with sub.view() as views:
+        weights["w"].fill_(1)
+        t = threading.Thread(target=lambda: (pub.publish(), published.set()))
+        t.start()
+        assert not published.wait(0.2)  # publish cannot overwrite what the view shows
+        assert bool((views["w"] == 0).all())
+    t.join(5)
+    assert published.is_set() and sub.latest == 2
+
+
+def test_pull_waits_for_the_first_version_and_times_out():
+    pub, sub = pair({"w": torch.zeros(4)})
+    with pytest.raises(TimeoutError):
+        sub.pull({"w": torch.zeros(4)}, timeout=0.1)
+    pub.publish()
+    assert sub.pull({"w": torch.zeros(4)}, timeout=0.1) == 1
+    with pytest.raises(TimeoutError):
+        sub.pull({"w": torch.zeros(4)}, newer_than=1, timeout=0.1)
+
+
+@pytest.mark.parametrize("bucket_bytes", [256, 1024, 1 << 20])
+def test_bucketed_equals_direct(bucket_bytes):
+    weights = make_weights(seed=11)
+    direct_pub, direct_sub = pair(weights)
+    bucket_pub, bucket_sub = pair(weights, bucket_bytes=bucket_bytes)
+    assert bucket_pub.layout.n_buckets >= (2 if bucket_bytes < 4096 else 1)
+    for version in (1, 2):
+        direct_pub.publish()
+        direct_model, bucket_model = make_weights(fill=0.0), make_weights(fill=0.0)
+        direct_sub.pull(direct_model, newer_than=version - 1)
+        pulled = []
+        t = threading.Thread(target=lambda: pulled.append(bucket_sub.pull(bucket_model)))
+        t.start()
+        assert bucket_pub.publish() == version  # returns once the subscriber took every bucket
+        t.join(10)
+        assert pulled == [version]
+        assert bits(bucket_model) == bits(direct_model) == bits(weights)
+        for w in weights.values():
+            w.mul_(-1)
+
+
+def test_bucketed_publish_without_subscribers_and_view_refused():
+    pub, sub = pair({"w": torch.arange(100.0)}, bucket_bytes=256)
+    sub.close()
+    assert pub.publish() == 1
+    a, b = mp.Pipe()
+    pub.attach(a)
+    sub = Subscriber(b, timeout=5.0)
+    with pytest.raises(RuntimeError, match="direct-mode"):
+        with sub.view():
+            pass
+
+
+def test_bucketed_needs_contiguous_tensors():
+    with pytest.raises(ValueError, match="contiguous"):
+        Publisher({"w": torch.zeros(4, 4).t()}, bucket_bytes=256)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError):
+        Publisher([torch.zeros(1)])
+    with pytest.raises(ValueError, match="nothing to publish"):
+        Publisher({})
+    with pytest.raises(ValueError, match="max_subscribers"):
+        Publisher({"w": torch.zeros(1)}, max_subscribers=0)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        Publisher({"w": torch.zeros(1)}, bucket_bytes=100)
+    a, b = mp.Pipe()
+    a.send("not a share")
+    with pytest.raises(TypeError, match="attach"):
+        Subscriber(b, timeout=1.0)
+    with pytest.raises(TimeoutError):
+        Subscriber(mp.Pipe()[1], timeout=0.05)
+
+
+def test_slot_limit_and_reuse_after_close():
+    pub = Publisher({"w": torch.zeros(1)}, max_subscribers=1)
+    a, b = mp.Pipe()
+    pub.attach(a)
+    sub = Subscriber(b, timeout=1.0)
+    c, d = mp.Pipe()
+    with pytest.raises(RuntimeError, match="slots are taken"):
+        pub.attach(c)
+    sub.close()
+    pub.attach(c)
+    Subscriber(d, timeout=1.0).close()
+
+
+# ----------------------------------------------------------------------------- across processes
+
+def _listener_address():
+    return os.path.join(tempfile.mkdtemp(prefix="torch_ipc_w"), "sock"), secrets.token_bytes(16)
+
+
+def test_two_subscribers_in_other_processes(ipc_peers):
+    import weights_helpers as h
+
+    address, key = _listener_address()
+    peers = [ipc_peers.get("sub0"), ipc_peers.get("sub1")]
+    for p in peers:
+        p.start_call(h.sub_attach, address, key)
+    weights = make_weights(seed=12)
+    pub = Publisher(weights)
+    with torch_ipc.listen(address, authkey=key) as listener:
+        conns = [listener.accept(), listener.accept()]
+        for c in conns:
+            pub.attach(c)
+    pids = {p.result() for p in peers}
+    assert pub.subscribers == 2 and len(pids) == 2
+    pub.publish()
+    for p in peers:
+        version, pulled, stats = p.call(h.sub_pull)
+        assert version == 1 and pulled == bits(weights)
+    for p in peers:
+        p.call(h.sub_close)
+
+
+def test_no_torn_update_while_the_publisher_hammers(ipc_peers):
+    import weights_helpers as h
+
+    address, key = _listener_address()
+    pub_peer, sub_peer = ipc_peers.get("pub"), ipc_peers.get("sub0")
+    pub_peer.start_call(h.pub_serve, address, key, fill=1.0)
+    sub_peer.call(h.sub_attach, address, key)
+    assert pub_peer.result() == 1
+    pub_peer.start_call(h.pub_hammer, 300)
+    seen = sub_peer.call(h.sub_pull_until, 301)
+    assert pub_peer.result() == 301
+    assert seen[-1] == 301 and seen == sorted(set(seen))
+    sub_peer.call(h.sub_close)
+
+
+def test_publisher_restart(ipc_peer, ipc_peers):
+    """The publisher is killed; pulls fail clearly and keep the model; a new
+    publisher attaches and the next pull gets its weights."""
+    import weights_helpers as h
+
+    address, key = _listener_address()
+    ipc_peer.start_call(h.pub_serve, address, key, seed=13)
+    sub = Subscriber(h.Connector(address, key), timeout=10.0)
+    assert ipc_peer.result() == 1
+    model = make_weights(fill=0.0)
+    assert sub.pull(model) == 1
+    assert bits(model) == bits(make_weights(seed=13))
+    ipc_peer.kill(signal.SIGKILL)
+    ipc_peer.close()
+    assert not sub.publisher_alive()
+    with pytest.raises(PublisherGoneError, match="exited.*keeps version 1"):
+        sub.pull(model)
+    assert bits(model) == bits(make_weights(seed=13))
+    second = ipc_peers.get("pub2")
+    second.start_call(h.pub_serve, address, key, seed=14)
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:  # the Connector reconnects once the new publisher listens
+        try:
+            version = sub.pull(model)
+            break
+        except PublisherGoneError:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    assert second.result() == 1 and version == 1
+    assert bits(model) == bits(make_weights(seed=14))
+    assert sub.stats["reattached"] == 1
+    sub.close()
+
+
+def test_dead_subscriber_does_not_block_publish(ipc_peer):
+    import weights_helpers as h
+
+    address, key = _listener_address()
+    ipc_peer.start_call(h.sub_attach, address, key)
+    pub = Publisher(make_weights(seed=15), bucket_bytes=256, timeout=10.0)
+    with torch_ipc.listen(address, authkey=key) as listener:
+        pub.attach(listener.accept())
+    ipc_peer.result()
+    ipc_peer.kill(signal.SIGKILL)
+    ipc_peer.close()
+    assert pub.publish() == 1  # the dead member is reaped, not waited for
+    assert pub.subscribers == 0

@@ -1,0 +1,118 @@
+"""Functions the weights tests run in child processes (module level, so the
+children import them by name), and the models both sides build."""
+
+import os
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+import torch_ipc
+from torch_ipc.weights import Publisher, Subscriber
+
+HELD: Dict[str, object] = {}
+
+SHAPES = {"embed.weight": (33, 16), "block.q.weight": (16, 16), "block.k.weight": (8, 16),
+          "block.v.weight": (8, 16), "block.norm": (16,), "head.bias": (7,), "step": ()}
+
+
+def make_weights(device: str = "cpu", dtype=torch.float32, fill: Optional[float] = None, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in SHAPES.items():
+        t = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+        if fill is not None:
+            t.fill_(fill)
+        out[name] = t.to(device)
+    return out
+
+
+def bits(weights: Dict[str, torch.Tensor]) -> Dict[str, bytes]:
+    return {n: t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes() for n, t in weights.items()}
+
+
+class Connector:
+    """A picklable function that connects to a torch_ipc Listener, retrying
+    while it is not listening yet."""
+
+    def __init__(self, address, authkey: bytes, wait: float = 10.0):
+        self.address, self.authkey, self.wait = address, authkey, wait
+
+    def __call__(self):
+        deadline = time.monotonic() + self.wait
+        while True:
+            try:
+                return torch_ipc.connect(self.address, authkey=self.authkey)
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+
+# ----------------------------------------------------------------------------- subscriber side
+
+def sub_attach(address, authkey: bytes, device: str = "cpu", dtype=torch.float32, **kwargs) -> int:
+    sub = Subscriber(Connector(address, authkey), **kwargs)
+    HELD["sub"] = sub
+    HELD["model"] = make_weights(device, dtype, fill=0.0)
+    return os.getpid()
+
+
+def sub_pull(newer_than: int = 0, timeout: float = 30.0):
+    sub = HELD["sub"]
+    version = sub.pull(HELD["model"], newer_than=newer_than, timeout=timeout)
+    if HELD["model"]["step"].is_cuda:
+        torch.cuda.synchronize()
+    return version, bits(HELD["model"]), dict(sub.stats)
+
+
+def sub_pull_until(last: int, check_uniform: bool = True, timeout: float = 30.0) -> List[int]:
+    """Pull until version `last`; every pull must see one version everywhere:
+    each tensor filled with the version number (Note [weights consistency protocol])."""
+    sub, model, seen = HELD["sub"], HELD["model"], []
+    version = 0
+    while version < last:
+        version = sub.pull(model, newer_than=version, timeout=timeout)
+        if model["step"].is_cuda:
+            torch.cuda.synchronize()
+        for name, t in model.items():
+            if not bool((t == float(version)).all()):
+                raise AssertionError(f"torn update: {name} holds {t.unique().tolist()[:8]} in version {version}")
+        seen.append(version)
+    return seen
+
+
+def sub_close() -> None:
+    sub = HELD.pop("sub", None)
+    if sub is not None:
+        sub.close()
+    HELD.pop("model", None)
+
+
+# ----------------------------------------------------------------------------- publisher side
+
+def pub_serve(address, authkey: bytes, n_subscribers: int = 1, device: str = "cpu", seed: int = 0,
+              fill: Optional[float] = None, **kwargs) -> int:
+    """Listen, attach `n_subscribers`, publish version 1 of make_weights(seed, fill)."""
+    weights = make_weights(device, seed=seed, fill=fill)
+    pub = Publisher(weights, **kwargs)
+    HELD["pub"], HELD["weights"] = pub, weights
+    with torch_ipc.listen(address, authkey=authkey) as listener:
+        for _ in range(n_subscribers):
+            conn = listener.accept()
+            pub.attach(conn)
+            HELD.setdefault("conns", []).append(conn)
+    return pub.publish()
+
+
+def pub_hammer(n: int) -> int:
+    """Publish versions filled with their own number as fast as possible."""
+    pub, weights = HELD["pub"], HELD["weights"]
+    for _ in range(n):
+        version = pub.version + 1
+        for t in weights.values():
+            t.fill_(float(version))
+        pub.publish()
+    if weights["step"].is_cuda:
+        torch.cuda.synchronize()
+    return pub.version
