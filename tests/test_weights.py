@@ -294,13 +294,13 @@ def test_no_torn_update_while_the_publisher_hammers(ipc_peers):
 
     address, key = _listener_address()
     pub_peer, sub_peer = ipc_peers.get("pub"), ipc_peers.get("sub0")
-    pub_peer.start_call(h.pub_serve, address, key, fill=1.0)
-    sub_peer.call(h.sub_attach, address, key)
+    pub_peer.start_call(h.pub_serve, address, key, fill=1.0, big=1 << 20)  # copies long enough to overlap
+    sub_peer.call(h.sub_attach, address, key, big=1 << 20)
     assert pub_peer.result() == 1
-    pub_peer.start_call(h.pub_hammer, 300)
-    seen = sub_peer.call(h.sub_pull_until, 301)
-    assert pub_peer.result() == 301
-    assert seen[-1] == 301 and seen == sorted(set(seen))
+    pub_peer.start_call(h.pub_hammer, 100)
+    seen = sub_peer.call(h.sub_pull_until, 101)
+    assert pub_peer.result() == 101
+    assert seen[-1] == 101 and seen == sorted(set(seen))
     sub_peer.call(h.sub_close)
 
 
@@ -353,3 +353,71 @@ def test_dead_subscriber_does_not_block_publish(ipc_peer):
     ipc_peer.close()
     assert pub.publish() == 1  # the dead member is reaped, not waited for
     assert pub.subscribers == 0
+
+
+# ----------------------------------------------------------------------------- the kernels' item tables
+
+def _run_table_on_cpu(table: torch.Tensor, kind: int) -> None:
+    """Do on the CPU what each block of csrc/kernels/batched_copy.cu does with its item."""
+    import ctypes
+
+    for src, dst, count, _ in table.tolist():
+        if kind == 0:
+            ctypes.memmove(dst, src, count)
+        else:
+            f = torch.frombuffer((ctypes.c_char * (4 * count)).from_address(src), dtype=torch.float32)
+            torch.frombuffer((ctypes.c_char * (2 * count)).from_address(dst), dtype=torch.bfloat16).copy_(f)
+
+
+def test_item_tables_cover_every_byte_once():
+    from torch_ipc import _C
+    from torch_ipc.weights._copy import item_table
+
+    chunk = _C.batched_item_bytes
+    gen = torch.Generator().manual_seed(0)
+    flat = torch.randint(0, 256, (3 * chunk + 4096,), dtype=torch.uint8, generator=gen)
+    out = torch.zeros_like(flat)
+    # mixed dtypes (bytes are bytes), odd sizes, starts off 16-byte alignment, one larger than an item
+    spans = [(0, 12, torch.float32), (13, 13 + 2 * chunk + 7, torch.uint8), (2 * chunk + 40, 2 * chunk + 40 + 8 * 999, torch.int64),
+             (3 * chunk, 3 * chunk + 4000, torch.bfloat16)]
+    pairs = [(flat[a:b].view(dt), out[a:b].view(dt)) for a, b, dt in spans]
+    table = item_table(pairs, 0, torch.device("cpu"))
+    assert int(table[:, 2].max()) <= chunk and int(table[:, 2].sum()) == sum(b - a for a, b, _ in spans)
+    _run_table_on_cpu(table, 0)
+    for a, b, _ in spans:
+        assert torch.equal(out[a:b], flat[a:b])
+    assert not out[12:13].any() and not out[3 * chunk + 4000 :].any()  # nothing outside the pairs
+
+
+def test_conversion_item_tables_match_torch():
+    from torch_ipc import _C
+    from torch_ipc.weights._copy import item_table
+
+    n = _C.batched_item_bytes // 4 * 2 + 5  # three items, the last partial
+    src = torch.randn(n + 1)[1:]  # off 16-byte alignment
+    src[:3] = torch.tensor([float("nan"), float("inf"), 1e-40])
+    dst = torch.zeros(n, dtype=torch.bfloat16)
+    small_src, small_dst = torch.randn(7), torch.zeros(7, dtype=torch.bfloat16)
+    table = item_table([(src, dst), (small_src, small_dst)], 1, torch.device("cpu"))
+    assert table.shape[0] == 4
+    _run_table_on_cpu(table, 1)
+    assert torch.equal(dst.view(torch.int16), src.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(small_dst.view(torch.int16), small_src.to(torch.bfloat16).view(torch.int16))
+
+
+def test_shared_counters_check_their_arguments():
+    from torch_ipc import _C
+
+    block = torch.zeros(4, dtype=torch.int64)
+    _C.counter_store(block, 3, 7)
+    assert _C.counter_load(block, 3) == 7
+    assert _C.counter_compare_exchange(block, 3, 6, 9) == 7 and int(block[3]) == 7
+    assert _C.counter_compare_exchange(block, 3, 7, 9) == 7 and int(block[3]) == 9
+    with pytest.raises(IndexError):
+        _C.counter_load(block, 4)
+    with pytest.raises(IndexError):
+        _C.counter_load(block, -1)
+    with pytest.raises(ValueError):
+        _C.counter_load(torch.zeros(4, dtype=torch.int32), 0)
+    with pytest.raises(ValueError):
+        _C.counter_load(torch.zeros(8, dtype=torch.int64)[::2], 0)

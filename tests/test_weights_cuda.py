@@ -157,8 +157,8 @@ def test_no_torn_update_on_gpu(ipc_peers):
 
     address, key = _address()
     pub_peer, sub_peer = ipc_peers.get("cuda_pub"), ipc_peers.get("cuda_sub0")
-    pub_peer.start_call(h.pub_serve, address, key, device="cuda", fill=1.0)
-    sub_peer.call(h.sub_attach, address, key, device="cuda")
+    pub_peer.start_call(h.pub_serve, address, key, device="cuda", fill=1.0, big=1 << 24)
+    sub_peer.call(h.sub_attach, address, key, device="cuda", big=1 << 24)
     assert pub_peer.result() == 1
     pub_peer.start_call(h.pub_hammer, 2000)
     seen = sub_peer.call(h.sub_pull_until, 2001)

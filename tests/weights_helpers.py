@@ -16,10 +16,13 @@ SHAPES = {"embed.weight": (33, 16), "block.q.weight": (16, 16), "block.k.weight"
           "block.v.weight": (8, 16), "block.norm": (16,), "head.bias": (7,), "step": ()}
 
 
-def make_weights(device: str = "cpu", dtype=torch.float32, fill: Optional[float] = None, seed: int = 0):
+def make_weights(device: str = "cpu", dtype=torch.float32, fill: Optional[float] = None, seed: int = 0,
+                 big: int = 0):
+    """SHAPES filled from `seed` (or with `fill`), plus "big" of `big` elements when asked."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for name, shape in SHAPES.items():
+    shapes = dict(SHAPES, big=(big,)) if big else SHAPES
+    for name, shape in shapes.items():
         t = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
         if fill is not None:
             t.fill_(fill)
@@ -51,10 +54,10 @@ class Connector:
 
 # ----------------------------------------------------------------------------- subscriber side
 
-def sub_attach(address, authkey: bytes, device: str = "cpu", dtype=torch.float32, **kwargs) -> int:
+def sub_attach(address, authkey: bytes, device: str = "cpu", dtype=torch.float32, big: int = 0, **kwargs) -> int:
     sub = Subscriber(Connector(address, authkey), **kwargs)
     HELD["sub"] = sub
-    HELD["model"] = make_weights(device, dtype, fill=0.0)
+    HELD["model"] = make_weights(device, dtype, fill=0.0, big=big)
     return os.getpid()
 
 
@@ -92,9 +95,9 @@ def sub_close() -> None:
 # ----------------------------------------------------------------------------- publisher side
 
 def pub_serve(address, authkey: bytes, n_subscribers: int = 1, device: str = "cpu", seed: int = 0,
-              fill: Optional[float] = None, **kwargs) -> int:
-    """Listen, attach `n_subscribers`, publish version 1 of make_weights(seed, fill)."""
-    weights = make_weights(device, seed=seed, fill=fill)
+              fill: Optional[float] = None, big: int = 0, **kwargs) -> int:
+    """Listen, attach `n_subscribers`, publish version 1 of make_weights(seed, fill, big)."""
+    weights = make_weights(device, seed=seed, fill=fill, big=big)
     pub = Publisher(weights, **kwargs)
     HELD["pub"], HELD["weights"] = pub, weights
     with torch_ipc.listen(address, authkey=authkey) as listener:

@@ -35,18 +35,16 @@ def kernels_available(device: torch.device) -> Tuple[bool, str]:
     return _available[device.index]
 
 
-def _item_table(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], kind: int, device: torch.device) -> torch.Tensor:
+def item_table(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], kind: int, device: torch.device) -> torch.Tensor:
     """The [n, 4] int64 table {src, dst, count, 0} of one launch: each pair cut
     into items of at most _ITEM_BYTES of source (count in bytes for a copy, in
     elements for a conversion), built with tensor ops (no loop per item)."""
-    src_size = pairs[0][0].element_size()
-    dst_size = pairs[0][1].element_size()
     if kind == _COPY:
-        counts = torch.tensor([s.numel() * src_size for s, _ in pairs], dtype=torch.int64)
+        counts = torch.tensor([s.numel() * s.element_size() for s, _ in pairs], dtype=torch.int64)
         chunk, src_step, dst_step = _ITEM_BYTES, 1, 1
     else:
         counts = torch.tensor([s.numel() for s, _ in pairs], dtype=torch.int64)
-        chunk, src_step, dst_step = _ITEM_BYTES // src_size, src_size, dst_size
+        chunk, src_step, dst_step = _ITEM_BYTES // 4, 4, 2
     src = torch.tensor([s.data_ptr() for s, _ in pairs], dtype=torch.int64)
     dst = torch.tensor([d.data_ptr() for _, d in pairs], dtype=torch.int64)
     per_pair = (counts + chunk - 1) // chunk
@@ -75,12 +73,12 @@ class BatchedCopy:
             ok, why_not = self._kernel_fits(src, dst)
             if ok:
                 kind = _COPY if src.dtype == dst.dtype else _F32_TO_BF16
-                groups.setdefault(kind, []).append((src, dst))
+                groups.setdefault((kind, dst.device), []).append((src, dst))
             else:
                 why = why or why_not
                 fallback.append((src, dst))
-        for kind, group in groups.items():
-            self._launches.append((_item_table(group, kind, group[0][1].device), kind))
+        for (kind, device), group in groups.items():
+            self._launches.append((item_table(group, kind, device), kind))
         self._dst = [d for _, d in fallback]
         self._src = [s.view(d.shape) for s, d in fallback]
         self.bytes = sum(s.numel() * s.element_size() for s, _ in self._pairs)

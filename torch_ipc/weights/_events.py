@@ -13,7 +13,9 @@ class _TorchEvent:
     build of torch_ipc that lacks ``torch_ipc.IpcEvent``."""
 
     def __init__(self, device=None, _handle: Optional[bytes] = None):
-        index = torch.cuda.current_device() if device is None else torch.device(device, 0).index
+        index = device if isinstance(device, int) else None if device is None else torch.device(device).index
+        if index is None:
+            index = torch.cuda.current_device()
         self.device = torch.device("cuda", index)
         if _handle is None:
             self._event = torch.cuda.Event(interprocess=True)
