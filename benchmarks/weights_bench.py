@@ -25,11 +25,18 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
 
 import torch
+import torch.multiprocessing  # noqa: F401  (registers torch's CUDA reductions: the naive rows)
+
+try:  # the installed torch_ipc, else the one of this checkout (built in place)
+    import torch_ipc  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def make_state_dict(n: int, shape, dtype, device, seed=0):
@@ -66,8 +73,6 @@ def timed(fn, iters, device, warmup=3):
 # ----------------------------------------------------------------------------- inference process
 
 def inference(ctl, attach_ends, cfg):
-    import os
-
     from torch_ipc.weights import Subscriber
 
     device = cfg["device"]
@@ -221,8 +226,6 @@ def main():
     row("direct cycle", direct, "publish (snapshot copy) + pull + synchronize")
     bucketed = cycle("bucketed")
     row("bucketed cycle", bucketed, f"{bucketed / direct:.2f}x direct [<= 1.5x]; {bucket >> 20} MiB halves")
-
-    import torch.multiprocessing  # noqa: F401  (registers torch's CUDA reductions)
 
     naive = []
     for _ in range(iters + 2):
