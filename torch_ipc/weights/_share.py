@@ -21,7 +21,7 @@ class Share:
     epoch: int  # random per Publisher: a restarted trainer is a new epoch
     publish_event: Any  # IpcEvent or None: recorded after each publish (direct mode)
     staging_events: Tuple[Any, ...]  # (half 0, half 1) in bucketed mode
-    done_event: Any  # this subscriber's: recorded after its copies
+    done_events: Tuple[Any, ...]  # this subscriber's, recorded after its copies: (direct,) or one per half
 
 
 def named_tensors(source, what: str) -> Dict[str, torch.Tensor]:

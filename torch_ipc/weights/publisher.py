@@ -75,7 +75,7 @@ class Publisher:
         self._block = ctl.new_block(max_subscribers)
         self._counters = ctl.Counters(self._block)
         self._epoch = secrets.randbits(62)
-        self._done: Dict[int, object] = {}  # slot -> its subscriber's done event (None on CPU)
+        self._done: Dict[int, tuple] = {}  # slot -> its subscriber's done events (None on CPU)
         self.version = 0
         self._bucket_seq = 0
         self._closed = False
@@ -118,7 +118,9 @@ class Publisher:
             c.store(ctl.slot_index(slot, field), 0)
         c.store(ctl.slot_index(slot, ctl.TAKEN), self._bucket_seq)
         c.store(ctl.slot_index(slot, ctl.OWNER), -1)  # reserved until the subscriber claims it
-        done = new_event(self.device)
+        # One per staging half in bucketed mode, so that filling a half waits
+        # for the subscriber's copy out of that half only, not of the other.
+        done = tuple(new_event(self.device) for _ in range(2 if self.layout.bucket_bytes else 1))
         self._done[slot] = done
         descriptor = _serialize.dumps({"buffer": self._buffer, "control": self._block})
         send(conn, Share(descriptor, self.layout, slot, os.getpid(), self._epoch,
@@ -168,8 +170,8 @@ class Publisher:
             for slot in list(self._done):
                 self._wait_slot(slot, ctl.READING, lambda reading: reading == 0, deadline)
                 done = self._done.get(slot)
-                if done is not None:
-                    done.wait()  # the snapshot write waits for its last pull, on the GPU
+                if done and done[0] is not None:
+                    done[0].wait()  # the snapshot write waits for its last pull, on the GPU
             self._snapshot.run()
             if self._publish_event is not None:
                 self._publish_event.record()
@@ -201,8 +203,8 @@ class Publisher:
             for slot in member_slots:
                 self._wait_slot(slot, ctl.TAKEN, lambda taken: taken >= seq - 2, deadline)
                 done = self._done.get(slot)
-                if done is not None:
-                    done.wait()
+                if done and done[half] is not None:
+                    done[half].wait()
             self._pack(k, half).run()
             if self._staging_events[half] is not None:
                 self._staging_events[half].record()

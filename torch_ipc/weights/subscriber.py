@@ -223,8 +223,8 @@ class Subscriber:
             raise self._gone(" before its last publish completed")
         _wait_event(event, self._stream_device())
 
-    def _record_done(self) -> None:
-        done = self._share.done_event
+    def _record_done(self, half: int = 0) -> None:
+        done = self._share.done_events[half]
         if done is not None:
             _record_event(done, self._stream_device())
         pulls = self._index[ctl.PULLS]
@@ -253,7 +253,7 @@ class Subscriber:
                 raise self._gone(f" during the pull of version {version} after {k} of {n} buckets "
                                  "(bucketed mode: the model holds a partial update)") from None
             plan.copy(k, half).run()
-            self._record_done()
+            self._record_done(half)
             c.store(taken, seq)
         return version
 
