@@ -190,7 +190,8 @@ def main():
     row("naive copy loop", loop, f"{floor / loop:.0%} of floor; pull is {loop / pull:.1f}x faster")
     conv, _, stats_c = ask("pull", "fp32", False)
     membound = 6 * (nbytes // 2) / bw / 1e6
-    row("pull fp32->bf16", conv, f"{membound / conv:.0%} of memory-bound {membound:.3f} ms [>= 85%]; path {stats_c['path']}")
+    row("pull fp32->bf16", conv,
+        f"{membound / conv:.0%} of memory-bound {membound:.3f} ms [>= 85%]; path {stats_c['path']}")
     conv_fe, _, _ = ask("pull", "fp32", True)
     row("fp32->bf16 foreach", conv_fe, f"{membound / conv_fe:.0%} of memory-bound")
 
@@ -237,7 +238,8 @@ def main():
         ctl.recv()
         naive.append((time.perf_counter() - t0) * 1e3)
     naive_ms = statistics.median(naive[2:])
-    row("naive mp cycle", naive_ms, f"torch.multiprocessing send + rebuild + copy loop; direct cycle is {naive_ms / direct:.1f}x faster")
+    row("naive mp cycle", naive_ms,
+        f"torch.multiprocessing send + rebuild + copy loop; direct cycle is {naive_ms / direct:.1f}x faster")
     ask("stop")
     proc.join(30)
     if args.json:

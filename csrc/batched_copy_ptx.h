@@ -251,6 +251,11 @@ $L__BB1_4:
 	{  cvt.rn.bf16.f32 %rs4, %f4;}
 
 	// end inline asm
+	shl.b64 	%rd34, %rd49, 3;
+	add.s64 	%rd35, %rd4, %rd34;
+	mov.b32 	%r5, {%rs3, %rs4};
+	mov.b32 	%r6, {%rs1, %rs2};
+	st.v2.u32 	[%rd35], {%r6, %r5};
 	// begin inline asm
 	{  cvt.rn.bf16.f32 %rs5, %f5;}
 
@@ -267,15 +272,10 @@ $L__BB1_4:
 	{  cvt.rn.bf16.f32 %rs8, %f8;}
 
 	// end inline asm
-	shl.b64 	%rd34, %rd49, 3;
-	add.s64 	%rd35, %rd4, %rd34;
-	mov.b32 	%r5, {%rs3, %rs4};
-	mov.b32 	%r6, {%rs1, %rs2};
 	shl.b64 	%rd36, %rd47, 3;
 	add.s64 	%rd37, %rd4, %rd36;
 	mov.b32 	%r7, {%rs7, %rs8};
 	mov.b32 	%r8, {%rs5, %rs6};
-	st.v2.u32 	[%rd35], {%r6, %r5};
 	st.v2.u32 	[%rd37], {%r8, %r7};
 	add.s64 	%rd49, %rd49, %rd8;
 	add.s64 	%rd47, %rd49, %rd2;

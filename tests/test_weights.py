@@ -378,8 +378,8 @@ def test_item_tables_cover_every_byte_once():
     flat = torch.randint(0, 256, (3 * chunk + 4096,), dtype=torch.uint8, generator=gen)
     out = torch.zeros_like(flat)
     # mixed dtypes (bytes are bytes), odd sizes, starts off 16-byte alignment, one larger than an item
-    spans = [(0, 12, torch.float32), (13, 13 + 2 * chunk + 7, torch.uint8), (2 * chunk + 40, 2 * chunk + 40 + 8 * 999, torch.int64),
-             (3 * chunk, 3 * chunk + 4000, torch.bfloat16)]
+    spans = [(0, 12, torch.float32), (13, 13 + 2 * chunk + 7, torch.uint8),
+             (2 * chunk + 40, 2 * chunk + 40 + 8 * 999, torch.int64), (3 * chunk, 3 * chunk + 4000, torch.bfloat16)]
     pairs = [(flat[a:b].view(dt), out[a:b].view(dt)) for a, b, dt in spans]
     table = item_table(pairs, 0, torch.device("cpu"))
     assert int(table[:, 2].max()) <= chunk and int(table[:, 2].sum()) == sum(b - a for a, b, _ in spans)

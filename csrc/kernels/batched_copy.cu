@@ -43,6 +43,12 @@ extern "C" __global__ void __launch_bounds__(512) torch_ipc_batched_copy(const I
 // Rounding: __float2bfloat16_rn is cvt.rn.bf16.f32, the instruction torch's own
 // CUDA conversion (c10::BFloat16(float) on sm_80+) compiles to, so results are
 // bitwise equal to tensor.to(torch.bfloat16), NaN and subnormals included.
+__device__ __forceinline__ unsigned bf16_pair(float lo, float hi) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(lo)) | (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16;
+}
+
+__device__ __forceinline__ uint2 bf16_quad(float4 a) { return make_uint2(bf16_pair(a.x, a.y), bf16_pair(a.z, a.w)); }
+
 extern "C" __global__ void __launch_bounds__(512) torch_ipc_batched_f32_to_bf16(const Item* __restrict__ items) {
   const Item it = items[blockIdx.x];
   const float* __restrict__ src = reinterpret_cast<const float*>(it.src);
@@ -55,23 +61,12 @@ extern "C" __global__ void __launch_bounds__(512) torch_ipc_batched_f32_to_bf16(
     uint2* __restrict__ d = reinterpret_cast<uint2*>(dst);
     const long long nv = n >> 2;
     long long i = threadIdx.x;
-    for (; i + step < nv; i += 2 * step) {
+    for (; i + step < nv; i += 2 * step) {  // two 16-byte loads in flight per thread
       float4 a = __ldg(s + i), b = __ldg(s + i + step);
-      uint2 x, y;
-      x.x = __bfloat16_as_ushort(__float2bfloat16_rn(a.x)) | (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(a.y)) << 16;
-      x.y = __bfloat16_as_ushort(__float2bfloat16_rn(a.z)) | (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(a.w)) << 16;
-      y.x = __bfloat16_as_ushort(__float2bfloat16_rn(b.x)) | (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(b.y)) << 16;
-      y.y = __bfloat16_as_ushort(__float2bfloat16_rn(b.z)) | (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(b.w)) << 16;
-      d[i] = x;
-      d[i + step] = y;
+      d[i] = bf16_quad(a);
+      d[i + step] = bf16_quad(b);
     }
-    for (; i < nv; i += step) {
-      float4 a = __ldg(s + i);
-      uint2 x;
-      x.x = __bfloat16_as_ushort(__float2bfloat16_rn(a.x)) | (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(a.y)) << 16;
-      x.y = __bfloat16_as_ushort(__float2bfloat16_rn(a.z)) | (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(a.w)) << 16;
-      d[i] = x;
-    }
+    for (; i < nv; i += step) d[i] = bf16_quad(__ldg(s + i));
     done = nv << 2;
   }
   for (long long i = done + threadIdx.x; i < n; i += step) dst[i] = __float2bfloat16_rn(src[i]);

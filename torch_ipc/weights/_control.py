@@ -48,7 +48,8 @@ MAX_SUBSCRIBERS = 62  # MEMBERS is a bitmask in one int64
 def new_block(max_subscribers: int) -> torch.Tensor:
     if not 1 <= max_subscribers <= MAX_SUBSCRIBERS:
         raise ValueError(f"max_subscribers must be in 1..{MAX_SUBSCRIBERS}, not {max_subscribers}")
-    block = torch.zeros(HEADER + SLOT_WORDS * max_subscribers, dtype=torch.int64)  # torch_ipc moves it to shared memory at the first attach
+    # torch_ipc moves it into shared memory (in place) at the first attach
+    block = torch.zeros(HEADER + SLOT_WORDS * max_subscribers, dtype=torch.int64)
     block[PUBLISHER_PID] = os.getpid()
     block[MAGIC] = MAGIC_VALUE
     return block

@@ -79,13 +79,16 @@ class PullPlan:
                 continue
             if len(srcs) == 1:
                 if srcs[0].shape != tuple(dst.shape):
-                    problems.append(f"shape mismatch: {name}: model {_shape(dst.shape)}, published {names[0]} {_shape(srcs[0].shape)}")
+                    problems.append(f"shape mismatch: {name}: model {_shape(dst.shape)}, "
+                                    f"published {names[0]} {_shape(srcs[0].shape)}")
                     continue
             else:
                 rows = sum(e.shape[0] if e.shape else 0 for e in srcs)
-                if any(len(e.shape) == 0 or e.shape[1:] != tuple(dst.shape[1:]) for e in srcs) or dst.dim() == 0 or rows != dst.shape[0]:
-                    problems.append(f"shape mismatch: {name}: model {_shape(dst.shape)}, published "
-                                    + " + ".join(f"{e.name} {_shape(e.shape)}" for e in srcs) + " (concatenated on dim 0)")
+                same_rows = all(len(e.shape) > 0 and e.shape[1:] == tuple(dst.shape[1:]) for e in srcs)
+                if not same_rows or dst.dim() == 0 or rows != dst.shape[0]:
+                    parts = " + ".join(f"{e.name} {_shape(e.shape)}" for e in srcs)
+                    problems.append(f"shape mismatch: {name}: model {_shape(dst.shape)}, "
+                                    f"published {parts} (concatenated on dim 0)")
                     continue
             if not dst.is_contiguous():
                 if len(srcs) > 1 or layout.bucket_bytes:
@@ -137,5 +140,6 @@ class PullPlan:
         for dst, names, fn in self.transforms:
             out = fn(*(self.sources[n] for n in names))
             if tuple(out.shape) != tuple(dst.shape):
-                raise WeightsMismatchError([f"transform output {_shape(out.shape)} for a model tensor of {_shape(dst.shape)}"])
+                raise WeightsMismatchError(
+                    [f"transform output {_shape(out.shape)} for a model tensor of {_shape(dst.shape)}"])
             dst.copy_(out)

@@ -32,7 +32,8 @@ def named_tensors(source, what: str) -> Dict[str, torch.Tensor]:
     elif hasattr(source, "items"):
         items = source.items()
     else:
-        raise TypeError(f"torch_ipc.weights: {what} must be an nn.Module or a mapping of tensors, not {type(source).__name__}")
+        raise TypeError(f"torch_ipc.weights: {what} must be an nn.Module or a mapping of tensors, "
+                        f"not {type(source).__name__}")
     out = {}
     for name, t in items:
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):

@@ -134,7 +134,8 @@ class Publisher:
             if owner == 0 or (owner > 0 and not ctl.pid_alive(owner)):
                 self._done.pop(r, None)
                 return r
-        raise RuntimeError(f"torch_ipc.weights: all {ctl.slots(self._block)} subscriber slots are taken (max_subscribers)")
+        raise RuntimeError(f"torch_ipc.weights: all {ctl.slots(self._block)} subscriber slots are taken "
+                           "(see max_subscribers)")
 
     def _reap(self, slot: int) -> None:
         """Forget the subscriber of `slot` if its process died."""
@@ -258,4 +259,5 @@ class Publisher:
 
     def __repr__(self) -> str:
         mode = f"bucketed {self.layout.bucket_bytes} B" if self.layout.bucket_bytes else "direct"
-        return f"torch_ipc.weights.Publisher({len(self.layout.entries)} tensors, {self.layout.total_bytes} B, {mode}, version {self.version})"
+        return (f"torch_ipc.weights.Publisher({len(self.layout.entries)} tensors, {self.layout.total_bytes} B, "
+                f"{mode}, version {self.version})")

@@ -102,8 +102,8 @@ class Subscriber:
         counters = ctl.Counters(state["control"])
         claimed = counters.compare_exchange(ctl.slot_index(share.slot, ctl.OWNER), -1, os.getpid())
         if claimed != -1:
-            raise RuntimeError(f"torch_ipc.weights: subscriber slot {share.slot} is already claimed (by pid {claimed}): "
-                               "each attach() message is for one Subscriber")
+            raise RuntimeError(f"torch_ipc.weights: subscriber slot {share.slot} is already claimed "
+                               f"(by pid {claimed}): each attach() message is for one Subscriber")
         self._share, self._buffer, self._counters = share, state["buffer"], counters
         self._slot = share.slot
         self._device = self._buffer.device
