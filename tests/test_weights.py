@@ -3,28 +3,15 @@ name maps, dtype conversion, bucketed == direct, torn updates, several
 subscribers, publisher restart. The GPU twin is test_weights_cuda.py."""
 
 import multiprocessing as mp
-import os
-import secrets
 import signal
-import tempfile
 import threading
 
 import pytest
 import torch
 
-import torch_ipc
 from torch_ipc.weights import Publisher, PublisherGoneError, Subscriber, WeightsMismatchError
 
-from weights_helpers import SHAPES, bits, make_weights
-
-
-def pair(weights, **kwargs):
-    """A publisher and a subscriber of it in this process, over a Pipe."""
-    sub_kwargs = {k: kwargs.pop(k) for k in ("name_map", "transforms", "strict") if k in kwargs}
-    a, b = mp.Pipe()
-    pub = Publisher(weights, **kwargs)
-    pub.attach(a)
-    return pub, Subscriber(b, timeout=5.0, **sub_kwargs)
+from weights_helpers import SHAPES, bits, listener_address, make_weights, pair
 
 
 def test_pull_copies_the_published_version():
@@ -262,37 +249,29 @@ def test_slot_limit_and_reuse_after_close():
 
 # ----------------------------------------------------------------------------- across processes
 
-def _listener_address():
-    return os.path.join(tempfile.mkdtemp(prefix="torch_ipc_w"), "sock"), secrets.token_bytes(16)
-
-
 def test_two_subscribers_in_other_processes(ipc_peers):
     import weights_helpers as h
 
-    address, key = _listener_address()
-    peers = [ipc_peers.get("sub0"), ipc_peers.get("sub1")]
-    for p in peers:
-        p.start_call(h.sub_attach, address, key)
-    weights = make_weights(seed=12)
-    pub = Publisher(weights)
-    with torch_ipc.listen(address, authkey=key) as listener:
-        conns = [listener.accept(), listener.accept()]
-        for c in conns:
-            pub.attach(c)
-    pids = {p.result() for p in peers}
-    assert pub.subscribers == 2 and len(pids) == 2
-    pub.publish()
-    for p in peers:
+    address, key = listener_address()
+    pub = ipc_peers.get("pub")
+    pub.start_call(h.pub_serve, address, key, n_subscribers=2, seed=12)
+    subs = [ipc_peers.get("sub0"), ipc_peers.get("sub1")]
+    for p in subs:
+        p.call(h.sub_attach, address, key)
+    assert pub.result() == 1
+    for p in subs:
         version, pulled, stats = p.call(h.sub_pull)
-        assert version == 1 and pulled == bits(weights)
-    for p in peers:
+        assert version == 1 and pulled == bits(make_weights(seed=12))
+    assert pub.call(h.pub_publish) == (2, 2)
+    for p in subs:
         p.call(h.sub_close)
+    pub.call(h.pub_close)
 
 
 def test_no_torn_update_while_the_publisher_hammers(ipc_peers):
     import weights_helpers as h
 
-    address, key = _listener_address()
+    address, key = listener_address()
     pub_peer, sub_peer = ipc_peers.get("pub"), ipc_peers.get("sub0")
     pub_peer.start_call(h.pub_serve, address, key, fill=1.0, big=1 << 20)  # copies long enough to overlap
     sub_peer.call(h.sub_attach, address, key, big=1 << 20)
@@ -309,7 +288,7 @@ def test_publisher_restart(ipc_peer, ipc_peers):
     publisher attaches and the next pull gets its weights."""
     import weights_helpers as h
 
-    address, key = _listener_address()
+    address, key = listener_address()
     ipc_peer.start_call(h.pub_serve, address, key, seed=13)
     sub = Subscriber(h.Connector(address, key), timeout=10.0)
     assert ipc_peer.result() == 1
@@ -340,19 +319,23 @@ def test_publisher_restart(ipc_peer, ipc_peers):
     sub.close()
 
 
-def test_dead_subscriber_does_not_block_publish(ipc_peer):
+def test_dead_subscriber_does_not_block_publish(ipc_peer, ipc_peers):
     import weights_helpers as h
 
-    address, key = _listener_address()
-    ipc_peer.start_call(h.sub_attach, address, key)
-    pub = Publisher(make_weights(seed=15), bucket_bytes=256, timeout=10.0)
-    with torch_ipc.listen(address, authkey=key) as listener:
-        pub.attach(listener.accept())
-    ipc_peer.result()
+    address, key = listener_address()
+    pub = ipc_peers.get("pub")
+    pub.start_call(h.pub_serve, address, key, bucket_bytes=256, timeout=10.0, publish=False)
+    ipc_peer.call(h.sub_attach, address, key)
+    assert pub.result() == 0
+    ipc_peer.start_call(h.sub_pull)
+    assert pub.call(h.pub_publish) == (1, 1)  # returns once the subscriber took every bucket
+    version, pulled, _ = ipc_peer.result()
+    assert version == 1 and pulled == bits(make_weights())
     ipc_peer.kill(signal.SIGKILL)
     ipc_peer.close()
-    assert pub.publish() == 1  # the dead member is reaped, not waited for
-    assert pub.subscribers == 0
+    assert pub.call(h.pub_publish) == (2, 0)  # the dead member is reaped, not waited for
+    pub.call(h.pub_close)
+
 
 
 # ----------------------------------------------------------------------------- the kernels' item tables

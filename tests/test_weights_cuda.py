@@ -2,20 +2,16 @@
 against torch, pulls across processes, torn updates, two subscribers,
 bucketed == direct, errors. Skipped without CUDA (CPU twin: test_weights.py)."""
 
-import multiprocessing as mp
-import os
 import secrets
 import signal
-import tempfile
 
 import pytest
 import torch
 
-import torch_ipc
-from torch_ipc.weights import Publisher, PublisherGoneError, Subscriber, WeightsMismatchError
+from torch_ipc.weights import PublisherGoneError, Subscriber, WeightsMismatchError
 from torch_ipc.weights._copy import BatchedCopy
 
-from weights_helpers import bits, make_weights
+from weights_helpers import bits, listener_address, make_weights, pair
 
 pytestmark = pytest.mark.cuda
 
@@ -80,17 +76,9 @@ def test_foreach_fallback_gives_the_same_bytes(monkeypatch):
         assert torch.equal(s.to(torch.bfloat16).view(torch.int16), d.view(torch.int16))
 
 
-def _pair(weights, **kwargs):
-    sub_kwargs = {k: kwargs.pop(k) for k in ("name_map", "transforms", "strict") if k in kwargs}
-    a, b = mp.Pipe()
-    pub = Publisher(weights, **kwargs)
-    pub.attach(a)
-    return pub, Subscriber(b, timeout=10.0, **sub_kwargs)
-
-
 def test_pull_in_process_bitwise_and_on_the_kernel_path():
     weights = make_weights("cuda", seed=1)
-    pub, sub = _pair(weights)
+    pub, sub = pair(weights)
     pub.publish()
     model = make_weights("cuda", fill=0.0)
     sub.pull(model)
@@ -103,7 +91,7 @@ def test_pull_in_process_bitwise_and_on_the_kernel_path():
 def test_dtype_conversion_and_name_map_on_gpu():
     weights = make_weights("cuda", seed=2)
     name_map = {"block.qkv.weight": ("block.q.weight", "block.k.weight", "block.v.weight")}
-    pub, sub = _pair(weights, name_map=name_map)
+    pub, sub = pair(weights, name_map=name_map)
     pub.publish()
     model = {n: t for n, t in make_weights("cuda", torch.bfloat16, fill=0.0).items() if not n.startswith("block.")}
     model["block.qkv.weight"] = torch.zeros(32, 16, dtype=torch.bfloat16, device="cuda")
@@ -118,7 +106,7 @@ def test_dtype_conversion_and_name_map_on_gpu():
 
 
 def test_errors_on_gpu_before_any_copy():
-    pub, sub = _pair(make_weights("cuda", seed=3))
+    pub, sub = pair(make_weights("cuda", seed=3))
     pub.publish()
     model = make_weights("cuda", fill=0.0)
     model["embed.weight"] = torch.zeros(1, device="cuda")
@@ -129,34 +117,30 @@ def test_errors_on_gpu_before_any_copy():
     assert bool((model["head.bias"] == 0).all())
 
 
-def _address():
-    return os.path.join(tempfile.mkdtemp(prefix="torch_ipc_w"), "sock"), secrets.token_bytes(16)
-
-
 def test_pull_in_another_process(ipc_peers):
     import weights_helpers as h
 
-    address, key = _address()
-    peer = ipc_peers.get("cuda_sub0")
-    peer.start_call(h.sub_attach, address, key, device="cuda")
-    weights = make_weights("cuda", seed=4)
-    pub = Publisher(weights)
-    with torch_ipc.listen(address, authkey=key) as listener:
-        pub.attach(listener.accept())
-    peer.result()
+    address, key = listener_address()
+    pub, sub = ipc_peers.get("cuda_pub"), ipc_peers.get("cuda_sub0")
+    pub.start_call(h.pub_serve, address, key, device="cuda", seed=4)
+    sub.call(h.sub_attach, address, key, device="cuda")
+    assert pub.result() == 1
+    expected = make_weights("cuda", seed=4)
     for version in (1, 2, 3):
-        pub.publish()
-        got, pulled, stats = peer.call(h.sub_pull, version - 1)
-        assert got == version and pulled == bits(weights) and stats["path"] == "kernel"
-        for t in weights.values():
-            t.add_(1.5)
-    peer.call(h.sub_close)
+        got, pulled, stats = sub.call(h.sub_pull, version - 1)
+        assert got == version and pulled == bits(expected) and stats["path"] == "kernel"
+        pub.call(h.pub_scale, 1.5)
+        for t in expected.values():
+            t.mul_(1.5)
+        assert pub.call(h.pub_publish) == (version + 1, 1)
+    sub.call(h.sub_close)
+    pub.call(h.pub_close)
 
 
 def test_no_torn_update_on_gpu(ipc_peers):
     import weights_helpers as h
 
-    address, key = _address()
+    address, key = listener_address()
     pub_peer, sub_peer = ipc_peers.get("cuda_pub"), ipc_peers.get("cuda_sub0")
     pub_peer.start_call(h.pub_serve, address, key, device="cuda", fill=1.0, big=1 << 24)
     sub_peer.call(h.sub_attach, address, key, device="cuda", big=1 << 24)
@@ -170,51 +154,47 @@ def test_no_torn_update_on_gpu(ipc_peers):
 def test_two_subscribers_on_gpu(ipc_peers):
     import weights_helpers as h
 
-    address, key = _address()
-    peers = [ipc_peers.get("cuda_sub0"), ipc_peers.get("cuda_sub1")]
-    for p in peers:
-        p.start_call(h.sub_attach, address, key, device="cuda")
-    weights = make_weights("cuda", seed=5)
-    pub = Publisher(weights)
-    with torch_ipc.listen(address, authkey=key) as listener:
-        for _ in peers:
-            pub.attach(listener.accept())
-    for p in peers:
-        p.result()
-    pub.publish()
-    for p in peers:
+    address, key = listener_address()
+    pub = ipc_peers.get("cuda_pub")
+    pub.start_call(h.pub_serve, address, key, n_subscribers=2, device="cuda", seed=5)
+    subs = [ipc_peers.get("cuda_sub0"), ipc_peers.get("cuda_sub1")]
+    for p in subs:
+        p.call(h.sub_attach, address, key, device="cuda")
+    assert pub.result() == 1
+    for p in subs:
         version, pulled, _ = p.call(h.sub_pull)
-        assert version == 1 and pulled == bits(weights)
-    for p in peers:
+        assert version == 1 and pulled == bits(make_weights("cuda", seed=5))
+    for p in subs:
         p.call(h.sub_close)
+    pub.call(h.pub_close)
 
 
 @pytest.mark.parametrize("bucket_bytes", [512, 1 << 20])
 def test_bucketed_equals_direct_on_gpu(ipc_peers, bucket_bytes):
     import weights_helpers as h
 
-    address, key = _address()
-    peer = ipc_peers.get("cuda_sub0")
-    peer.start_call(h.sub_attach, address, key, device="cuda")
-    weights = make_weights("cuda", seed=6)
-    pub = Publisher(weights, bucket_bytes=bucket_bytes)
-    with torch_ipc.listen(address, authkey=key) as listener:
-        pub.attach(listener.accept())
-    peer.result()
+    address, key = listener_address()
+    pub, sub = ipc_peers.get("cuda_pub"), ipc_peers.get("cuda_sub0")
+    pub.start_call(h.pub_serve, address, key, device="cuda", seed=6, bucket_bytes=bucket_bytes, publish=False)
+    sub.call(h.sub_attach, address, key, device="cuda")
+    assert pub.result() == 0
+    expected = make_weights("cuda", seed=6)
     for version in (1, 2):
-        peer.start_call(h.sub_pull)
-        assert pub.publish() == version
-        got, pulled, _ = peer.result()
-        assert got == version and pulled == bits(weights)
-        for t in weights.values():
-            t.mul_(-3)
-    peer.call(h.sub_close)
+        sub.start_call(h.sub_pull)
+        assert pub.call(h.pub_publish) == (version, 1)
+        got, pulled, stats = sub.result()
+        assert got == version and pulled == bits(expected) and stats["path"] == "kernel"
+        pub.call(h.pub_scale, -3.0)
+        for t in expected.values():
+            t.mul_(-3.0)
+    sub.call(h.sub_close)
+    pub.call(h.pub_close)
 
 
 def test_dead_publisher_on_gpu_keeps_the_model(ipc_peer):
     import weights_helpers as h
 
-    address, key = _address()
+    address, key = listener_address()
     ipc_peer.start_call(h.pub_serve, address, key, device="cuda", seed=7)
     sub = Subscriber(h.Connector(address, key), timeout=10.0)
     ipc_peer.result()

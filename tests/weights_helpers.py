@@ -1,7 +1,10 @@
 """Functions the weights tests run in child processes (module level, so the
 children import them by name), and the models both sides build."""
 
+import multiprocessing as mp
 import os
+import secrets
+import tempfile
 import time
 from typing import Dict, List, Optional
 
@@ -32,6 +35,20 @@ def make_weights(device: str = "cpu", dtype=torch.float32, fill: Optional[float]
 
 def bits(weights: Dict[str, torch.Tensor]) -> Dict[str, bytes]:
     return {n: t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes() for n, t in weights.items()}
+
+
+def listener_address():
+    """A fresh Unix socket path and authkey."""
+    return os.path.join(tempfile.mkdtemp(prefix="torch_ipc_w"), "sock"), secrets.token_bytes(16)
+
+
+def pair(weights, timeout: float = 10.0, **kwargs):
+    """A publisher and a subscriber of it in this process, over a Pipe."""
+    sub_kwargs = {k: kwargs.pop(k) for k in ("name_map", "transforms", "strict") if k in kwargs}
+    a, b = mp.Pipe()
+    pub = Publisher(weights, **kwargs)
+    pub.attach(a)
+    return pub, Subscriber(b, timeout=timeout, **sub_kwargs)
 
 
 class Connector:
@@ -95,8 +112,9 @@ def sub_close() -> None:
 # ----------------------------------------------------------------------------- publisher side
 
 def pub_serve(address, authkey: bytes, n_subscribers: int = 1, device: str = "cpu", seed: int = 0,
-              fill: Optional[float] = None, big: int = 0, **kwargs) -> int:
-    """Listen, attach `n_subscribers`, publish version 1 of make_weights(seed, fill, big)."""
+              fill: Optional[float] = None, big: int = 0, publish: bool = True, **kwargs) -> int:
+    """Listen, attach `n_subscribers`, publish version 1 of make_weights(seed, fill, big)
+    (unless not `publish`: then return 0)."""
     weights = make_weights(device, seed=seed, fill=fill, big=big)
     pub = Publisher(weights, **kwargs)
     HELD["pub"], HELD["weights"] = pub, weights
@@ -105,7 +123,28 @@ def pub_serve(address, authkey: bytes, n_subscribers: int = 1, device: str = "cp
             conn = listener.accept()
             pub.attach(conn)
             HELD.setdefault("conns", []).append(conn)
-    return pub.publish()
+    return pub.publish() if publish else 0
+
+
+def pub_publish():
+    """Publish once more; (version, subscribers attached and alive)."""
+    pub = HELD["pub"]
+    version = pub.publish()
+    return version, pub.subscribers
+
+
+def pub_scale(factor: float) -> None:
+    for t in HELD["weights"].values():
+        t.mul_(factor)
+
+
+def pub_close() -> None:
+    pub = HELD.pop("pub", None)
+    if pub is not None:
+        pub.close()
+    HELD.pop("weights", None)
+    for conn in HELD.pop("conns", []):
+        conn.close()
 
 
 def pub_hammer(n: int) -> int:

@@ -7,7 +7,7 @@ import torch
 
 from ._copy import BatchedCopy
 from ._errors import WeightsMismatchError
-from ._layout import Entry, Layout, typed_view
+from ._layout import Layout, typed_view
 
 NameMap = Union[None, Mapping[str, Union[str, Sequence[str]]], Callable[[str], Union[None, str, Sequence[str]]]]
 Transform = Tuple[Sequence[str], Callable[..., torch.Tensor]]

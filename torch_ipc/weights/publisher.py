@@ -257,6 +257,12 @@ class Publisher:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
     def __repr__(self) -> str:
         mode = f"bucketed {self.layout.bucket_bytes} B" if self.layout.bucket_bytes else "direct"
         return (f"torch_ipc.weights.Publisher({len(self.layout.entries)} tensors, {self.layout.total_bytes} B, "

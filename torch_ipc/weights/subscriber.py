@@ -171,9 +171,11 @@ class Subscriber:
             version = self._enter_read(newer_than, deadline)
             try:
                 self._after_publish()
-                plan.copy().run()
-                plan.run_transforms()
-                self._record_done()
+                try:
+                    plan.copy().run()
+                    plan.run_transforms()
+                finally:  # whatever was queued must finish before the publisher overwrites
+                    self._record_done()
             finally:
                 self._counters.store(self._index[ctl.READING], 0)
         self.version = version
