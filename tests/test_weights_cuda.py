@@ -208,3 +208,26 @@ def test_dead_publisher_on_gpu_keeps_the_model(ipc_peer):
     torch.cuda.synchronize()
     assert bits(model) == bits(make_weights("cuda", seed=7))
     sub.close()
+
+
+def test_pull_into_a_cpu_model_from_a_gpu_publisher():
+    weights = make_weights("cuda", seed=8)
+    pub, sub = pair(weights)
+    pub.publish()
+    model = make_weights("cpu", fill=0.0)
+    sub.pull(model)
+    assert bits(model) == bits(weights) and sub.stats["path"] == "foreach"
+
+
+@pytest.mark.gpus(2)
+def test_pull_onto_another_gpu():
+    weights = make_weights("cuda:0", seed=9)
+    pub, sub = pair(weights)
+    for version in (1, 2):
+        pub.publish()
+        model = make_weights("cuda:1", fill=0.0)
+        sub.pull(model, newer_than=version - 1)
+        torch.cuda.synchronize(1)
+        assert bits(model) == bits(weights)
+        for t in weights.values():
+            t.add_(1)

@@ -19,10 +19,9 @@ __all__ = ["Subscriber"]
 
 def _wait_event(event, stream_device: torch.device) -> None:
     """Make the current stream of `stream_device` wait on `event` (host does not block)."""
-    if event.device == stream_device:
-        event.wait()
-        return
-    event.wait()  # on the event's own device, then hand over with a local event
+    event.wait()  # the current stream of the event's own device
+    if event.device == stream_device or stream_device.type != "cuda":
+        return  # a copy to the CPU runs on that stream and returns when done
     hop = torch.cuda.Event()
     hop.record(torch.cuda.current_stream(event.device))
     torch.cuda.current_stream(stream_device).wait_event(hop)
@@ -30,7 +29,7 @@ def _wait_event(event, stream_device: torch.device) -> None:
 
 def _record_event(event, stream_device: torch.device) -> None:
     """Record `event` after the work queued so far on the current stream of `stream_device`."""
-    if event.device != stream_device:
+    if event.device != stream_device and stream_device.type == "cuda":
         hop = torch.cuda.Event()
         hop.record(torch.cuda.current_stream(stream_device))
         torch.cuda.current_stream(event.device).wait_event(hop)
