@@ -14,6 +14,8 @@ Rows, all measured in the same run (H100 targets in brackets):
     bucketed cycle   the same in bucketed mode (2 x bucket_bytes staging)   [<= 1.5x direct]
     naive mp cycle   torch.multiprocessing: send the state_dict (torch's CUDA
                      IPC), rebuild it, copy in a loop, synchronize
+Copy rows are CUDA-event times of 5 back-to-back calls (median of 30 samples);
+publish and the cycles are the trainer's wall clock (median).
 
 Usage:
     python benchmarks/weights_bench.py                 # 384 x 4 MiB bf16 (1.5 GiB)
@@ -49,8 +51,9 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def timed(fn, iters, device, warmup=3):
-    """Median milliseconds of fn() (GPU time with events on CUDA)."""
+def timed(fn, iters, device, warmup=3, reps=5):
+    """Median milliseconds of one fn() call, each sample `reps` calls back to
+    back so that the GPU never waits for the host (GPU time with events on CUDA)."""
     for _ in range(warmup):
         fn()
     sync(device)
@@ -59,14 +62,16 @@ def timed(fn, iters, device, warmup=3):
         if device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(reps):
+                fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / reps)
         else:
             t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+            for _ in range(reps):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / reps)
     return statistics.median(times)
 
 

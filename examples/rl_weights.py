@@ -118,6 +118,7 @@ def trainer(attach, check, args):
         check.send((version, reference, loss.item(), publish_us))
         assert recv(check) == "generated"  # on-policy: the next step waits for the rollout
     check.send(None)
+    assert recv(check) == "closed"  # the subscriber let go of the shared snapshot
     pub.close()
 
 
@@ -148,6 +149,8 @@ def inference(attach, check, args):
               f"{'match the trainer bit for bit' if same else 'DIFFER from the trainer'}; "
               f"generated {tokens[0, 16:].tolist()}", flush=True)
         check.send("generated")
+    sub.close()
+    check.send("closed")
     print(f"inference: {matches} of {args.steps} versions matched bit for bit", flush=True)
     sys.exit(0 if matches == args.steps else 1)
 

@@ -1,13 +1,23 @@
 """The control block: int64 counters in shared host memory that the publisher
 and its subscribers read and write with sequentially consistent atomics.
+"""
+
+import os
+import time
+from typing import Callable
+
+import torch
+
+from .. import _C
 
 # Note [weights consistency protocol]
 # A subscriber must never copy a version the publisher is overwriting, and the
 # publisher must not block on the GPU work of its subscribers. The block has:
 #   PUBLISHED  the newest complete version (0: none yet)
 #   WRITING    1 while publish() writes the shared buffer
-#   per subscriber slot r: OWNER (pid), READING (1 while it reads), DONE_EVENT
-#   (an IpcEvent the subscriber records after its copies), TAKEN (bucketed mode)
+#   per subscriber slot r: OWNER (pid), READING (1 while it reads), PULLS,
+#   TAKEN (bucketed mode); and, outside the block, DONE_EVENT[r]: an IpcEvent
+#   the subscriber records after its copies (one per staging half, bucketed)
 # Direct mode, one snapshot buffer:
 #   subscriber: READING[r] = 1; if WRITING: READING[r] = 0, back off, retry;
 #     v = PUBLISHED; its stream waits on the publish event; queue the copies;
@@ -24,20 +34,12 @@ and its subscribers read and write with sequentially consistent atomics.
 # Bucketed mode streams version v through two staging halves; bucket k of the
 # stream has a global sequence number seq and lives in half seq % 2. The
 # publisher fills seq only after every member took seq - 2 (TAKEN[r] >= seq-2,
-# then its stream waits on DONE_EVENT[r]); members are the slots claimed when
-# the version starts (MEMBERS bitmask, published with STREAM_BASE before the
-# first bucket). publish() returns when every member took the last bucket.
-"""
+# then its stream waits on that half's DONE_EVENT[r]); members are the slots
+# claimed when the version starts (MEMBERS bitmask, published with
+# STREAM_BASE before the first bucket). publish() returns when every member
+# took the last bucket.
 
-import os
-import time
-from typing import Callable
-
-import torch
-
-from .. import _C
-
-MAGIC_VALUE = 0x7769_6768_7473_0001  # "wights" v1
+MAGIC_VALUE = 0x7765_6967_6874_7301  # "weights" and layout version 1
 MAGIC, PUBLISHED, WRITING, BUCKET_SEQ, STREAM_BASE, STREAM_VERSION, MEMBERS, PUBLISHER_PID = range(8)
 HEADER = 8
 OWNER, READING, PULLS, TAKEN = range(4)
