@@ -29,6 +29,37 @@ def test_pull_copies_the_published_version():
     assert sub.stats["path"] == "foreach" and sub.stats["launches"] == 1
 
 
+def test_attach_through_a_queue_and_reattach_from_it():
+    queue = mp.get_context("spawn").Queue()
+    first = make_weights(seed=20)
+    pub = Publisher(first)
+    pub.attach(queue)
+    sub = Subscriber(queue, timeout=5.0)
+    pub.publish()
+    model = make_weights(fill=0.0)
+    sub.pull(model)
+    assert bits(model) == bits(first)
+    pub.close()  # the trainer stops; a new one puts its message on the same queue
+    with pytest.raises(PublisherGoneError):
+        sub.pull(model)
+    assert bits(model) == bits(first)
+    second = make_weights(seed=21)
+    restarted = Publisher(second)
+    restarted.attach(queue)
+    restarted.publish()
+    import time
+
+    deadline = time.monotonic() + 5
+    while True:  # the queue's feeder thread delivers the message shortly
+        try:
+            assert sub.pull(model) == 1
+            break
+        except PublisherGoneError:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert bits(model) == bits(second) and sub.stats["reattached"] == 1
+
+
 def test_publish_snapshots_so_later_writes_are_not_seen():
     weights = make_weights(seed=2)
     pub, sub = pair(weights)
