@@ -170,8 +170,9 @@ def test_transform_hook():
     assert sub.stats["transforms"] == 1
 
 
-def test_view_is_zero_copy_of_the_newest_version():
-    weights = make_weights(seed=10)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_view_is_zero_copy_of_the_newest_version(device):
+    weights = make_weights(device, seed=10)
     pub, sub = pair(weights)
     pub.publish()
     with sub.view() as views:
