@@ -436,3 +436,18 @@ def test_shared_counters_check_their_arguments():
         _C.counter_load(torch.zeros(4, dtype=torch.int32), 0)
     with pytest.raises(ValueError):
         _C.counter_load(torch.zeros(8, dtype=torch.int64)[::2], 0)
+
+
+def test_dead_subscriber_is_forgotten_by_a_direct_publish(ipc_peer, ipc_peers):
+    import weights_helpers as h
+
+    address, key = listener_address()
+    pub = ipc_peers.get("pub")
+    pub.start_call(h.pub_serve, address, key)
+    ipc_peer.call(h.sub_attach, address, key)
+    assert pub.result() == 1
+    assert pub.call(h.pub_publish) == (2, 1)
+    ipc_peer.kill(signal.SIGKILL)
+    ipc_peer.close()
+    assert pub.call(h.pub_publish) == (3, 0)
+    pub.call(h.pub_close)

@@ -169,6 +169,7 @@ class Publisher:
         c.store(ctl.WRITING, 1)
         try:
             for slot in list(self._done):
+                self._reap(slot)  # a dead subscriber's event may never complete: never wait on it
                 self._wait_slot(slot, ctl.READING, lambda reading: reading == 0, deadline)
                 done = self._done.get(slot)
                 if done and done[0] is not None:
