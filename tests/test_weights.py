@@ -351,6 +351,41 @@ def test_publisher_restart(ipc_peer, ipc_peers):
     sub.close()
 
 
+def test_publisher_dying_while_it_writes_fails_the_pull_fast(ipc_peer):
+    import time
+
+    import weights_helpers as h
+
+    address, key = listener_address()
+    ipc_peer.start_call(h.pub_serve, address, key, seed=16)
+    sub = Subscriber(h.Connector(address, key), timeout=30.0)
+    assert ipc_peer.result() == 1
+    model = make_weights(fill=0.0)
+    sub.pull(model)
+    ipc_peer.call(h.pub_start_writing)
+    raised = []
+
+    def pull():
+        try:
+            sub.pull(model, newer_than=1)
+        except Exception as e:
+            raised.append(e)
+
+    puller = threading.Thread(target=pull)
+    puller.start()
+    puller.join(0.2)
+    assert puller.is_alive()  # waiting for the publish to finish
+    start = time.monotonic()
+    ipc_peer.kill(signal.SIGKILL)
+    puller.join(10)
+    assert time.monotonic() - start < 5  # noticed, not timed out (30 s)
+    assert len(raised) == 1 and isinstance(raised[0], PublisherGoneError), raised
+    assert "keeps version 1" in str(raised[0])
+    assert bits(model) == bits(make_weights(seed=16))
+    ipc_peer.close()
+    sub.close()
+
+
 def test_dead_subscriber_does_not_block_publish(ipc_peer, ipc_peers):
     import weights_helpers as h
 

@@ -133,6 +133,13 @@ def pub_publish():
     return version, len(pub._done)
 
 
+def pub_start_writing() -> None:
+    """Leave the control block as a publish that dies while writing would."""
+    from torch_ipc.weights import _control as ctl
+
+    HELD["pub"]._counters.store(ctl.WRITING, 1)
+
+
 def pub_scale(factor: float) -> None:
     for t in HELD["weights"].values():
         t.mul_(factor)
