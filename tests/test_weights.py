@@ -29,6 +29,18 @@ def test_pull_copies_the_published_version():
     assert sub.stats["path"] == "foreach" and sub.stats["launches"] == 1
 
 
+def test_attach_sends_one_message_and_publish_none():
+    a, b = mp.Pipe()
+    pub = Publisher(make_weights(seed=19))
+    pub.attach(a)
+    assert b.poll(0)
+    sub = Subscriber(b, timeout=5.0)
+    for _ in range(3):
+        pub.publish()
+    assert not b.poll(0)  # versions travel through the control block, not the connection
+    assert sub.latest == 3
+
+
 def test_attach_through_a_queue_and_reattach_from_it():
     queue = mp.get_context("spawn").Queue()
     first = make_weights(seed=20)
