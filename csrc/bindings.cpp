@@ -2,6 +2,7 @@
 // exception types of errors.h onto the Python classes of torch_ipc/errors.py.
 #include <torch/extension.h>
 
+#include "batched_copy.h"
 #include "cuda_driver.h"
 #include "descriptor.h"
 #include "errors.h"
@@ -14,8 +15,9 @@
 #include "names.h"
 #include "process.h"
 #include "refcount.h"
-#include "sweep.h"
 #include "registry.h"
+#include "shared_counters.h"
+#include "sweep.h"
 #include "vmm.h"
 
 namespace py = pybind11;
@@ -252,6 +254,22 @@ PYBIND11_MODULE(_C, m) {
     return t.defined() && t.is_cuda() && vmm_is_pool_storage(t.storage());
   });
   // ---- end VMM sharing ----
+
+  // ---- begin weights (csrc/batched_copy.h, csrc/shared_counters.h; torch_ipc/weights) ----
+  m.def("launch_batched", [](const at::Tensor& items, int kernel) {
+    launch_batched(items, static_cast<BatchedKernel>(kernel));
+  }, py::arg("items"), py::arg("kernel"));
+  m.def("batched_copy_available", [](int device) {
+    std::string why;
+    bool ok = batched_copy_available(device, &why);
+    return py::make_tuple(ok, why);
+  }, py::arg("device"));
+  m.attr("batched_item_bytes") = kBatchedItemBytes;
+  m.def("counter_load", &counter_load, py::arg("counters"), py::arg("index"));
+  m.def("counter_store", &counter_store, py::arg("counters"), py::arg("index"), py::arg("value"));
+  m.def("counter_compare_exchange", &counter_compare_exchange, py::arg("counters"), py::arg("index"),
+        py::arg("expected"), py::arg("desired"));
+  // ---- end weights ----
 
   // ---- test-only: torch_ipc._C._testing, not part of the package's API ----
   py::module_ testing = m.def_submodule("_testing", "primitives torch_ipc's own tests drive directly");
