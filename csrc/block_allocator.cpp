@@ -9,13 +9,14 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <mutex>
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
 #include "errors.h"
+#include "names.h"
 #include "process.h"
+#include "refcount.h"
 
 namespace torch_ipc {
 
@@ -55,8 +56,6 @@ struct ChunkEntry {
   uint32_t reserved;
   char descriptor[BlockAllocator::kDescriptorBytes];
 };
-
-std::atomic<uint32_t> next_segment{0};
 
 }  // namespace
 
@@ -131,7 +130,6 @@ BlockAllocator::BlockAllocator(std::unique_ptr<ShmMapping> shm) : shm_(std::move
 BlockAllocator::Header* BlockAllocator::header() const { return static_cast<Header*>(shm_->data()); }
 
 std::unique_ptr<BlockAllocator> BlockAllocator::create(const BlockLayout& layout, uint64_t max_blocks) {
-  check_not_forked();
   TORCH_CHECK_VALUE(max_blocks >= 1 && max_blocks <= kMaxBlocks, "torch_ipc: a KV pool has 1 to ", kMaxBlocks,
                     " blocks, not ", max_blocks);
   TORCH_CHECK_VALUE(!layout.shape.empty() && layout.shape.size() <= kMaxBlockDims,
@@ -140,10 +138,13 @@ std::unique_ptr<BlockAllocator> BlockAllocator::create(const BlockLayout& layout
       checked_block_bytes(static_cast<uint32_t>(layout.shape.size()), layout.shape.data(), layout.dtype);
   TORCH_CHECK_VALUE(block_bytes > 0, "torch_ipc: a block's dimensions must be positive and its size fit in 64 bits");
 
-  static std::once_flag swept;
-  std::call_once(swept, sweep_stale_shm);
-  auto shm = ShmMapping::create(shm_name(self_process(), 'K', next_segment++), segment_bytes(max_blocks));
-  auto* h = static_cast<Header*>(shm->data());  // zero-filled by ftruncate
+  // Named as a host segment of this process: the sweep removes the name once
+  // the owner is gone (Note [sweep]); attached processes keep their mapping.
+  const uint32_t anchor = lease_anchor_segment();
+  auto shm = create_under_random_name("a KV pool's segment", [&](uint64_t random) {
+    return ShmMapping::create(host_segment_name(self_process(), anchor, random), segment_bytes(max_blocks));
+  });
+  auto* h = static_cast<Header*>(shm->data());  // zero-filled
   h->version = kSegmentVersion;
   h->max_processes = kMaxProcesses;
   h->max_chunks = kMaxChunks;
@@ -168,7 +169,6 @@ std::unique_ptr<BlockAllocator> BlockAllocator::create(const BlockLayout& layout
 }
 
 std::unique_ptr<BlockAllocator> BlockAllocator::attach(const std::string& name, const ProcessId& creator) {
-  check_not_forked();
   TORCH_CHECK_VALUE(name.rfind("/torch_ipc.", 0) == 0 && name.find('/', 1) == std::string::npos,
                     "torch_ipc: '", name, "' is not the name of a KV pool's segment");
   auto shm = ShmMapping::open(name, sizeof(Header));
@@ -197,7 +197,7 @@ std::unique_ptr<BlockAllocator> BlockAllocator::attach(const std::string& name, 
 void BlockAllocator::detach() noexcept {
   if (detached_) return;
   detached_ = true;
-  if (in_forked_child()) {  // the parent's slot, Note [fork]
+  if (made_here_.inherited()) {  // the parent's slot, Note [fork]
     shm_->disown();
     return;
   }
@@ -212,6 +212,8 @@ void BlockAllocator::detach() noexcept {
 BlockAllocator::~BlockAllocator() { detach(); }
 
 void BlockAllocator::check_attached() const {
+  TORCH_CHECK(!made_here_.inherited(), "torch_ipc: this attachment to KV pool ", name(),
+              " was inherited through fork and is the parent's; attach in this process");
   TORCH_CHECK(!detached_, "torch_ipc: this process detached from KV pool ", name());
 }
 
@@ -303,7 +305,6 @@ uint64_t BlockAllocator::max_blocks() const { return header()->max_blocks; }
 uint64_t BlockAllocator::free_blocks() const { return header()->free_count.load(); }
 
 std::vector<int64_t> BlockAllocator::allocate(uint64_t n) {
-  check_not_forked();
   check_attached();
   Header* h = header();
   Lock lock(*this);
@@ -347,7 +348,6 @@ void BlockAllocator::check_ids_locked(const int64_t* ids, size_t n, uint32_t hol
 }
 
 void BlockAllocator::free(const int64_t* ids, size_t n) {
-  check_not_forked();
   check_attached();
   Header* h = header();
   Lock lock(*this);
@@ -370,7 +370,6 @@ void BlockAllocator::check_held(const int64_t* ids, size_t n) const {
 }
 
 void BlockAllocator::take_over(const int64_t* ids, size_t n, uint32_t from_slot, const ProcessId& from) {
-  check_not_forked();
   check_attached();
   Header* h = header();
   TORCH_CHECK_VALUE(from_slot < kMaxProcesses, "torch_ipc: malformed hand-over: process slot ", from_slot);
@@ -389,7 +388,6 @@ void BlockAllocator::take_over(const int64_t* ids, size_t n, uint32_t from_slot,
 }
 
 uint64_t BlockAllocator::reclaim_dead() {
-  check_not_forked();
   Lock lock(*this);
   return reclaim_dead_locked();
 }
@@ -425,7 +423,6 @@ std::vector<int64_t> BlockAllocator::held_by_self() const {
 }
 
 void BlockAllocator::add_chunk(uint64_t count, const std::string& descriptor) {
-  check_not_forked();
   Header* h = header();
   TORCH_CHECK_VALUE(descriptor.size() <= kDescriptorBytes, "torch_ipc: a chunk's descriptor has ",
                     descriptor.size(), " bytes, more than the ", kDescriptorBytes, " a KV pool has room for");

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "descriptor.h"
+#include "process.h"
 #include "shm.h"
 
 namespace torch_ipc {
@@ -108,6 +109,7 @@ class __attribute__((visibility("hidden"))) BlockAllocator {
   std::unique_ptr<ShmMapping> shm_;
   uint32_t slot_ = 0;
   bool detached_ = false;
+  MadeHere made_here_;  // a forked child uses the pool through an attachment of its own
 };
 
 }  // namespace torch_ipc

@@ -11,6 +11,7 @@
 #include "cuda_context.h"
 #include "cuda_driver.h"
 #include "errors.h"
+#include "fork.h"
 #include "process.h"
 
 namespace torch_ipc {
@@ -45,10 +46,7 @@ struct Events {
   std::map<Handle64, std::shared_ptr<OpenedEvent>> kept;        // ... kept open while the producer lives
 };
 
-Events& events() {
-  static Events* e = new Events();  // outlives static destructors
-  return *e;
-}
+Events& events() { return *process_state<Events>(); }
 
 PooledEvent& next_pooled_event(Events& e, int device, CUstream stream) {
   EventPool& pool = e.pools[{device, stream}];
@@ -74,8 +72,10 @@ CUevent own_pooled_event(Events& e, const Handle64& handle) {
 
 }  // namespace
 
+void events_forget_after_fork() { forget_after_fork<Events>(); }
+
 OpenedEvent::~OpenedEvent() {
-  if (event == nullptr || in_forked_child()) return;
+  if (event == nullptr || made.inherited()) return;  // CUDA is unusable in a forked child
   CUresult r = driver().cuEventDestroy(event);  // needs no current context
   if (r != CUDA_SUCCESS && r != CUDA_ERROR_DEINITIALIZED)  // at exit, the driver went first
     TORCH_WARN(driver_error_message("cuEventDestroy", r));

@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "descriptor.h"
+#include "process.h"
 
 namespace torch_ipc {
 
@@ -37,6 +38,7 @@ struct OpenedEvent {
   CUevent event = nullptr;
   ProcessId producer;
   int device = -1;
+  MadeHere made;  // a forked child leaves its parent's events alone (Note [fork])
   ~OpenedEvent();
 };
 std::shared_ptr<OpenedEvent> open_ipc_event(const Handle64& handle, int device, const ProcessId& producer,

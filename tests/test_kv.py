@@ -442,3 +442,34 @@ def attach_error(data: bytes) -> str:
     except Exception as e:
         return type(e).__name__
     return "attached"
+
+
+def _forked_child(pool, results) -> None:
+    try:
+        ids = pool.allocate(3)
+        results.send((sorted(pool.held()), ids, pool.holder_of(ids[0])))
+    except BaseException as e:
+        results.send(repr(e))
+    os._exit(0)  # holding its 3 blocks: they return when the parent reclaims
+
+
+def test_a_forked_child_uses_the_pool_as_itself(pool):
+    import multiprocessing
+
+    mine = pool.allocate(2)
+    ctx = multiprocessing.get_context("fork")
+    results, child_end = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_forked_child, args=(pool, child_end))
+    child.start()
+    try:
+        assert results.poll(60), "the forked child sent nothing"
+        got = results.recv()
+        child.join(60)
+    finally:
+        if child.is_alive():
+            child.kill()
+    held, ids, holder = got
+    assert held == sorted(ids) and holder == child.pid and not set(ids) & set(mine)
+    assert sorted(pool.held()) == sorted(mine)  # the parent's blocks are still the parent's
+    assert _wait_until(lambda: pool.free_blocks == 14)  # the child's came back
+    assert pool.holders() == {os.getpid(): 2}

@@ -10,7 +10,7 @@ import torch  # noqa: F401  (loads libc10/libtorch before the extension)
 from . import _C
 from ._reductions import init_reductions, reductions, restore_reductions
 from ._serialize import dumps, loads
-from .connection import Connection, Listener, connect, listen
+from .connection import Client, Connection, Listener, connect, listen
 from .errors import (
     CudaError,
     CudaUnavailableError,
@@ -23,6 +23,7 @@ from .errors import (
 from .ipc_event import IpcEvent
 from .pool import SharedPool
 from . import kv  # noqa: E402  (torch_ipc.kv.SharedKVPool)
+from . import weights  # torch_ipc.weights.Publisher / Subscriber
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,7 @@ __all__ = [
     "restore_reductions",
     "reductions",
     "Listener",
+    "Client",
     "Connection",
     "listen",
     "connect",

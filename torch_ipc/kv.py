@@ -37,6 +37,7 @@ methods. A pool's size is bounded by ``max_blocks`` given at creation.
 """
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from array import array
@@ -196,6 +197,7 @@ class SharedKVPool:
         self._next_event = 0
         self._lock = threading.RLock()
         self._closed = False
+        self._pid = os.getpid()
         with _open_lock:
             _open_pools[self._name] = self
 
@@ -550,6 +552,20 @@ class SharedKVPool:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("torch_ipc: this KV pool is closed")
+        if self._pid != os.getpid():
+            self._attach_after_fork()
+
+    def _attach_after_fork(self) -> None:
+        """Note [fork] in csrc/process.h: a forked child holds no blocks of its
+        parent and uses the pool through an attachment of its own (it cannot
+        grow the pool; CPU mappings inherited stay valid)."""
+        creator = self._creator or (0, 0)
+        self._allocator = _C.BlockAllocator.attach(self._name, *creator)
+        self._pid = os.getpid()
+        self._owner = False
+        self._exports = []
+        self._events = {}
+        self._lock = threading.RLock()
 
     def close(self) -> None:
         """Detach: the blocks this process holds go back to the pool and its
@@ -562,11 +578,11 @@ class SharedKVPool:
         with _open_lock:
             if _open_pools.get(self._name) is self:
                 del _open_pools[self._name]
-        if self._owner:
+        if self._owner and self._pid == os.getpid():  # not in a forked child: the parent's
             self._allocator.unlink()
             for exported in self._exports:
                 exported.revoke()
-        self._allocator.detach()
+        self._allocator.detach()  # an inherited attachment detaches nothing
         self._exports = []
         self._chunks = []
         self._events = {}
@@ -598,6 +614,7 @@ def _load_pool(name: str, pid: int, start_time: int) -> SharedKVPool:
     with _open_lock:
         pool = _open_pools.get(name)
     if pool is not None and not pool.closed:
+        pool._check_open()  # a forked child's own attachment
         return pool
     _runtime.ensure_started()
     pool = SharedKVPool.__new__(SharedKVPool)
