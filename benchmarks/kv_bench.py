@@ -11,7 +11,8 @@ handover  A writer process hands 256 block ids with its ordering signal to a
           the blocks taken over), which then reads one element of the first
           block (a device-to-host copy); timed by the reader from its "go" to
           the read's return. Floor: the same Connection's round trip with a
-          message of the same size and no pool. Target: <= +30 us. Also shown:
+          message of the same size and no pool (the writer writes the same
+          element before either reply). Target: <= +30 us. Also shown:
           the read alone, so the hand-over's own cost is visible.
 attach    A fresh process attaches to a pool of --pool-gib GiB (SharedPool
           memory, --attach-chunks allocations) and maps it: from
@@ -68,10 +69,11 @@ def handover_writer(address, data, block_shape, dtype, iters, warmup):
     with torch_ipc.connect(address, authkey=AUTHKEY) as conn:
         # The channel's own round trip: a message of the hand-over's size.
         plain = ("x" * 16, "y" * 30, 1, 2, 3, True, bytes(8 * N_IDS), b"e" * 90, None)
+        ids = pool.allocate(N_IDS)
         for _ in range(warmup + iters):
             conn.recv()
+            pool.block(ids[0]).view(-1)[:1].fill_(1)  # the same writes as below
             conn.send(plain)
-        ids = pool.allocate(N_IDS)
         for _ in range(warmup + iters):
             conn.recv()
             pool.block(ids[0]).view(-1)[:1].fill_(1)  # the writes the signal orders

@@ -283,6 +283,7 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("name"), py::arg("pid"), py::arg("start_time"), ReleaseGil())
       .def_static("self_process", [=] { return process(self_process()); })
+      .def_readonly_static("max_chunks", &Allocator::kMaxChunks)
       .def_property_readonly("name", &Allocator::name)
       .def_property_readonly("layout",
                              [](const Allocator& a) {

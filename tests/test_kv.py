@@ -214,6 +214,8 @@ def test_create_errors():
         SharedKVPool(4, SHAPE, torch.int32, max_blocks=2)
     with pytest.raises(ValueError, match="cpu or cuda"):
         SharedKVPool(4, SHAPE, torch.int32, "meta")
+    with pytest.raises(ValueError, match="blocks_per_chunk must make 1 to 64 chunks"):
+        SharedKVPool(65, SHAPE, torch.int32, blocks_per_chunk=1)
     with pytest.raises(TypeError, match="torch.dtype"):
         SharedKVPool(4, SHAPE, "int32")
     if not torch.cuda.is_available():

@@ -37,6 +37,7 @@ methods. A pool's size is bounded by ``max_blocks`` given at creation.
 """
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import weakref
@@ -166,13 +167,16 @@ class SharedKVPool:
             self._device = torch.device("cuda", cuda_device_index(self._device, "a CUDA KV pool"))
         elif self._device.type != "cpu":
             raise ValueError(f"a KV pool lives on cpu or cuda, not {self._device}")
+        chunk = num_blocks if blocks_per_chunk is None else int(blocks_per_chunk)
+        if chunk < 1 or -(-num_blocks // chunk) > _C.BlockAllocator.max_chunks:
+            raise ValueError(
+                f"blocks_per_chunk must make 1 to {_C.BlockAllocator.max_chunks} chunks of the "
+                f"{num_blocks} blocks, not {chunk}"
+            )
         self._vmm = vmm and self._device.type == "cuda"
         _runtime.ensure_started()
         allocator = _C.BlockAllocator.create([int(s) for s in block_shape], dtype, max_blocks)
         self._setup(allocator, owner=True)
-        chunk = num_blocks if blocks_per_chunk is None else int(blocks_per_chunk)
-        if chunk < 1:
-            raise ValueError(f"blocks_per_chunk must be positive, not {chunk}")
         try:
             for first in range(0, num_blocks, chunk):
                 self.grow(min(chunk, num_blocks - first))
@@ -198,6 +202,7 @@ class SharedKVPool:
         self._lock = threading.RLock()
         self._closed = False
         self._pid = os.getpid()
+        self._sender = (allocator.slot, *_C.BlockAllocator.self_process())  # what a hand-over names
         with _open_lock:
             _open_pools[self._name] = self
 
@@ -343,8 +348,6 @@ class SharedKVPool:
             raise IndexError(f"torch_ipc: block id {block_id} is out of range: the KV pool has {self._mapped} blocks")
         if len(self._starts) == 1:
             return 0, block_id
-        import bisect
-
         chunk = bisect.bisect_right(self._starts, block_id) - 1
         return chunk, block_id - self._starts[chunk]
 
@@ -517,8 +520,7 @@ class SharedKVPool:
         if self.device.type == "cuda":
             event = self._event(stream)
             event.record(stream)
-        pid, start = _C.BlockAllocator.self_process()
-        message = (_MESSAGE_TAG, self._name, self._allocator.slot, pid, start, bool(transfer), packed, event, meta)
+        message = (_MESSAGE_TAG, self._name, *self._sender, bool(transfer), packed, event, meta)
         (conn.send if hasattr(conn, "send") else conn.put)(message)
 
     def recv(self, conn: Any, *, stream: Optional[torch.cuda.Stream] = None) -> Handover:
@@ -562,6 +564,7 @@ class SharedKVPool:
         creator = self._creator or (0, 0)
         self._allocator = _C.BlockAllocator.attach(self._name, *creator)
         self._pid = os.getpid()
+        self._sender = (self._allocator.slot, *_C.BlockAllocator.self_process())
         self._owner = False
         self._exports = []
         self._events = {}
