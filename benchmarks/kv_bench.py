@@ -87,7 +87,7 @@ def bench_handover(args, device, dtype, block_shape):
     import torch_ipc
     from torch_ipc.kv import SharedKVPool
 
-    num_blocks = 4 * N_IDS + 8
+    num_blocks = 8 * N_IDS  # in flight: the writer's next, the reader's, frees pending on the GPU
     pool = SharedKVPool(num_blocks, block_shape, dtype, device)
     data = torch_ipc.dumps(pool)
     ctx = mp.get_context("spawn")

@@ -475,3 +475,20 @@ def test_a_forked_child_uses_the_pool_as_itself(pool):
     assert sorted(pool.held()) == sorted(mine)  # the parent's blocks are still the parent's
     assert _wait_until(lambda: pool.free_blocks == 14)  # the child's came back
     assert pool.holders() == {os.getpid(): 2}
+
+
+@CUDA_ONLY
+def test_a_cuda_free_waits_for_the_reads_queued_before_it(device):
+    """Note [deferred free]: blocks freed while a gather still runs go back
+    only once it has finished; freeing them again meanwhile is refused."""
+    with SharedKVPool(8, SHAPE, torch.int32, device) as pool:
+        ids = pool.allocate(4)
+        torch.cuda._sleep(200_000_000)  # the reads below wait behind ~0.1 s
+        pool.gather(ids)
+        pool.free(ids)
+        assert pool.free_blocks == 4 and sorted(pool.held()) == sorted(ids)
+        with pytest.raises(ValueError, match="freed already"):
+            pool.free(ids[:1])
+        torch.cuda.synchronize()
+        assert _wait_until(lambda: pool.free_blocks == 8)
+        assert pool.held() == []

@@ -103,6 +103,8 @@ _open_lock = threading.Lock()
 
 def _reclaim_dead_holders() -> None:
     for pool in list(_open_pools.values()):
+        if pool._pid != os.getpid():  # a forked child's inherited pool: not used here yet
+            continue
         try:
             pool.reclaim()
         except Exception:  # a pool closed meanwhile
@@ -199,6 +201,8 @@ class SharedKVPool:
         self._exports: List[Any] = []  # owner: the chunks' exports
         self._events: Dict[Any, List[IpcEvent]] = {}
         self._next_event = 0
+        self._pending_frees: List[Tuple[Any, array]] = []  # Note [deferred free]
+        self._pending_ids: set = set()
         self._lock = threading.RLock()
         self._closed = False
         self._pid = os.getpid()
@@ -431,14 +435,17 @@ class SharedKVPool:
     @property
     def num_blocks(self) -> int:
         """Blocks in the pool (grows with :meth:`grow`)."""
+        self._check_open()
         return self._allocator.num_blocks
 
     @property
     def max_blocks(self) -> int:
+        self._check_open()
         return self._allocator.max_blocks
 
     @property
     def free_blocks(self) -> int:
+        self._check_open()
         return self._allocator.free_blocks
 
     def allocate(self, n: int) -> List[int]:
@@ -450,6 +457,8 @@ class SharedKVPool:
             raise ValueError(f"cannot allocate {n} blocks")
         if n == 0:
             return []
+        if self._pending_frees:
+            self._finish_frees()
         ids = self._allocator.allocate(n)
         if not ids:
             raise OutOfBlocksError(
@@ -458,12 +467,43 @@ class SharedKVPool:
             )
         return ids
 
-    def free(self, ids: Ids) -> None:
+    def free(self, ids: Ids, *, stream: Optional[torch.cuda.Stream] = None) -> None:
         """Give back blocks this process holds. All or nothing: ``IndexError``
         for an id out of range, ``ValueError`` for a block this process does
-        not hold (free already, or another's) or one listed twice."""
+        not hold (free already, or another's) or one listed twice.
+
+        On a CUDA pool the blocks go back once the work queued so far on
+        ``stream`` (default: the current stream) has finished, so that nobody
+        writes into a block this process still reads (Note [deferred free]);
+        the host does not wait."""
         self._check_open()
-        self._allocator.free(_pack(ids).tobytes())
+        packed = _pack(ids)
+        if self._device is None or self._device.type != "cuda":
+            self._allocator.free(packed.tobytes())
+            return
+        with self._lock:
+            self._allocator.check_held(packed.tobytes())
+            again = self._pending_ids.intersection(packed)
+            if again:
+                raise ValueError(f"torch_ipc: cannot free block {min(again)}: it is freed already (pending)")
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._pending_frees.append((event, packed))
+            self._pending_ids.update(packed)
+        self._finish_frees()
+
+    # Note [deferred free]
+    # A reader's gather is queued on its stream; freeing its blocks at once
+    # would let a writer allocate and overwrite them while the gather still
+    # runs. So a CUDA pool frees after an event on the freeing stream has
+    # completed: checked at every free and allocate, and by the collector.
+    def _finish_frees(self, wait: bool = False) -> None:
+        with self._lock:
+            while self._pending_frees and (wait or self._pending_frees[0][0].query()):
+                event, packed = self._pending_frees.pop(0)
+                event.synchronize()
+                self._pending_ids.difference_update(packed)
+                self._allocator.free(packed.tobytes())
 
     def held(self) -> List[int]:
         """The blocks this process holds."""
@@ -486,6 +526,8 @@ class SharedKVPool:
         attached process also does it in the background, and ``allocate``
         when short); returns how many came back."""
         self._check_open()
+        if self._pending_frees:
+            self._finish_frees()
         return self._allocator.reclaim_dead()
 
     # ------------------------------------------------------------------ hand-over
@@ -568,6 +610,7 @@ class SharedKVPool:
         self._owner = False
         self._exports = []
         self._events = {}
+        self._pending_frees, self._pending_ids = [], set()
         self._lock = threading.RLock()
 
     def close(self) -> None:
@@ -585,6 +628,8 @@ class SharedKVPool:
             self._allocator.unlink()
             for exported in self._exports:
                 exported.revoke()
+        if self._pid == os.getpid():
+            self._finish_frees(wait=True)  # our reads end before the blocks go back
         self._allocator.detach()  # an inherited attachment detaches nothing
         self._exports = []
         self._chunks = []
