@@ -38,11 +38,13 @@ methods. A pool's size is bounded by ``max_blocks`` given at creation.
 from __future__ import annotations
 
 import bisect
+import functools
 import os
+import struct
 import threading
 import weakref
 from array import array
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -93,6 +95,22 @@ def _pack(ids: Ids) -> array:
         raise IndexError(f"torch_ipc: a block id is out of range: {list(ids)!r}") from None
     except TypeError:
         raise TypeError(f"block ids must be ints, got {list(ids)!r}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _int64s(n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}q")
+
+
+def _pack_bytes(ids: Ids) -> bytes:
+    """Block ids as the bytes of int64s that the allocator reads (a list of
+    ints goes through struct: ~3x faster than an array, in the hand-over path)."""
+    if type(ids) is list or type(ids) is tuple:
+        try:
+            return _int64s(len(ids)).pack(*ids)
+        except struct.error:
+            pass  # _pack says what is wrong
+    return _pack(ids).tobytes()
 
 
 # Pools open in this process, by segment name: loading a pool that is already
@@ -251,7 +269,12 @@ class SharedKVPool:
             if not pool._owner:
                 pool.close()
             raise LayoutMismatchError(f"torch_ipc: the KV pool {pool._name} has " + " and ".join(wrong))
-        pool.refresh()
+        try:
+            pool.refresh()
+        except BaseException:
+            if not pool._owner:
+                pool.close()
+            raise
         return pool
 
     def __reduce__(self):
@@ -477,10 +500,10 @@ class SharedKVPool:
         writes into a block this process still reads (Note [deferred free]);
         the host does not wait."""
         self._check_open()
-        packed = _pack(ids)
         if self._device is None or self._device.type != "cuda":
-            self._allocator.free(packed.tobytes())
+            self._allocator.free(_pack_bytes(ids))
             return
+        packed = _pack(ids)
         with self._lock:
             self._allocator.check_held(packed.tobytes())
             again = self._pending_ids.intersection(packed)
@@ -556,7 +579,7 @@ class SharedKVPool:
         (it frees them); otherwise this process keeps holding them and the
         reader only reads. ``meta``: any picklable object that travels along."""
         self._check_open()
-        packed = _pack(ids).tobytes()
+        packed = _pack_bytes(ids)
         self._allocator.check_held(packed)
         event = None
         if self.device.type == "cuda":
