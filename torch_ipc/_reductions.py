@@ -10,21 +10,24 @@ Messages without tensors are pickled once, exactly as before (the pickler that
 looks for tensors is a ForkingPickler, so its output is what multiprocessing
 would have sent). Per-type reducers are
 installed too, for code that pickles with a ForkingPickler instance directly.
+What a message exported is tied to the connection that sends it (Note
+[unread messages] in _channels.py).
 """
 
 import contextlib
 import pickle
+from multiprocessing import connection as _mpc
 from multiprocessing.reduction import ForkingPickler
 from typing import Iterator
 
 import torch
 
-from . import _serialize
+from . import _channels, _serialize
 
 __all__ = ["init_reductions", "restore_reductions", "reductions"]
 
 _REDUCED_TYPES = (torch.Tensor, torch.nn.Parameter, torch.UntypedStorage)
-_saved = None  # (original dumps, {type: original reducer or None})
+_saved = None  # (original dumps, {type: original reducer or None}, original Connection._send_bytes)
 
 
 def _rebuild(descriptor: bytes):
@@ -51,8 +54,18 @@ def _dumps(cls, obj, protocol=None):
     tensors, parameters, payload = _serialize.split(obj)
     if not tensors:  # pickled exactly as multiprocessing would, already
         return _serialize.plain_pickle(payload)
-    descriptor = _serialize.export(tensors, parameters, payload).data
-    return memoryview(pickle.dumps(_Message(descriptor), pickle.HIGHEST_PROTOCOL))
+    sent = _serialize.export(tensors, parameters, payload)
+    data = pickle.dumps(_Message(sent.data), pickle.HIGHEST_PROTOCOL)
+    if sent.live:
+        _channels.made(data, [sent])
+    return memoryview(data)
+
+
+def _tracked_send_bytes(original):
+    def _send_bytes(self, buf):
+        _channels.sending(self, buf, lambda b: original(self, b))
+
+    return _send_bytes
 
 
 def init_reductions() -> None:
@@ -70,8 +83,10 @@ def init_reductions() -> None:
     import torch.multiprocessing  # noqa: F401  (registers torch's reducers first, to save them)
 
     originals = {t: ForkingPickler._extra_reducers.get(t) for t in _REDUCED_TYPES}
-    _saved = (ForkingPickler.__dict__["dumps"], originals)
+    send_bytes = _mpc.Connection.__dict__["_send_bytes"]
+    _saved = (ForkingPickler.__dict__["dumps"], originals, send_bytes)
     ForkingPickler.dumps = classmethod(_dumps)
+    _mpc.Connection._send_bytes = _tracked_send_bytes(send_bytes)
     for t in _REDUCED_TYPES:
         ForkingPickler.register(t, _reduce_one)
 
@@ -81,8 +96,9 @@ def restore_reductions() -> None:
     global _saved
     if _saved is None:
         return
-    dumps, originals = _saved
+    dumps, originals, send_bytes = _saved
     ForkingPickler.dumps = dumps
+    _mpc.Connection._send_bytes = send_bytes
     for t, reducer in originals.items():
         if reducer is None:
             ForkingPickler._extra_reducers.pop(t, None)
