@@ -2,6 +2,8 @@
 // exception types of errors.h onto the Python classes of torch_ipc/errors.py.
 #include <torch/extension.h>
 
+#include <mutex>
+
 #include "cuda_driver.h"
 #include "descriptor.h"
 #include "errors.h"
@@ -211,8 +213,14 @@ PYBIND11_MODULE(_C, m) {
         // held it takes milliseconds, and the GIL would stall every Python
         // thread for that long, every collect interval. It touches no Python
         // object; storages it drops take the GIL themselves if a Python object
-        // still refers to them (torch's PyObject slot does).
+        // still refers to them (torch's PyObject slot does). Collections run
+        // one at a time (the GIL used to see to that): a collect() returns
+        // after what another thread's collection dropped is freed and
+        // unmapped, so stats() afterwards are settled. The GIL is released
+        // before the lock is taken, never the other way round.
+        static std::mutex* one_at_a_time = new std::mutex();
         py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(*one_at_a_time);
         int reclaimed = collect_exports();
         collect_imports(close_idle);
         return reclaimed;

@@ -5,8 +5,9 @@ Consumers killed while holding an export must not use up its holder words
 export is reclaimed once its loads happened. A load that fails (a record the
 producer's memory does not match, a payload that does not unpickle, Ctrl-C)
 spends nothing at the producer (Note [a load spends last] in csrc/import.cpp):
-the export stays, and a correct retry succeeds. CPU tensors; the producers
-and consumers are real processes, killed for real.
+the export stays, and a correct retry succeeds. CPU tensors, and one CUDA
+test (an fd fetch that times out); the producers and consumers are real
+processes, killed, stopped and interrupted for real.
 """
 import gc
 import os
@@ -238,3 +239,36 @@ def test_a_load_that_succeeds_spends_its_token(producer, ipc_peer):
     with pytest.raises(PeerError) as info:
         ipc_peer.call(u.load_bits, "x", data)
     assert isinstance(info.value.exception, torch_ipc.ReleasedError)
+
+
+def _export_cuda(seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randint(-(2**31), 2**31 - 1, (4096,), dtype=torch.int32, device="cuda", generator=gen)
+    u.HELD["x"] = x
+    data = torch_ipc.dumps(x)
+    torch.cuda.synchronize()
+    return data, u.bits(x)
+
+
+@pytest.mark.cuda
+def test_a_timed_out_fd_fetch_spends_nothing():
+    # Expandable segments: the consumer fetches the memory's file descriptors
+    # from the producer's fd server, which cannot answer while it is stopped.
+    expandable = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    with Peer(timeout=120, env=expandable, name="vmm-producer") as producer, Peer(
+        timeout=120, env={"TORCH_IPC_FD_TRANSPORT": "socket"}, name="vmm-consumer"
+    ) as consumer:
+        data, want = producer.call(_export_cuda, u.new_seed())
+        producer.call(u.drop, "x")
+        os.kill(producer.pid, signal.SIGSTOP)
+        try:
+            kind, message = consumer.call(u.try_load, data)  # waits the fetch's 10 s
+        finally:
+            os.kill(producer.pid, signal.SIGCONT)
+        assert kind == "TimeoutError" and "no answer from the fd server" in message, (kind, message)
+        consumer.call(u.collect)
+        s = producer.call(u.wait_for_stats, "exports", 0, 0.3)
+        assert s["exports"] == 1 and s["tokens_pending"] == 1, f"the failed load spent the token: {s}"
+        assert consumer.call(u.load_bits, "x", data) == want
+        consumer.call(u.drop, "x")
+        assert producer.call(u.wait_for_stats, "exports", 0, RECLAIM_S)["exports"] == 0
