@@ -15,6 +15,7 @@ import signal
 import struct
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -250,6 +251,26 @@ def _export_cuda(seed: int):
     return data, u.bits(x)
 
 
+def _load_while_ticking(data: bytes):
+    """u.try_load(data) while another thread ticks; also the longest gap
+    between two ticks (the time the load kept that thread from the GIL)."""
+    ticks, stop = [time.perf_counter()], threading.Event()
+
+    def tick():
+        while not stop.wait(0.01):
+            ticks.append(time.perf_counter())
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        kind, message = u.try_load(data)
+    finally:
+        stop.set()
+        ticker.join()
+        ticks.append(time.perf_counter())
+    return kind, message, max(b - a for a, b in zip(ticks, ticks[1:]))
+
+
 @pytest.mark.cuda
 def test_a_timed_out_fd_fetch_spends_nothing():
     # Expandable segments: the consumer fetches the memory's file descriptors
@@ -262,10 +283,11 @@ def test_a_timed_out_fd_fetch_spends_nothing():
         producer.call(u.drop, "x")
         os.kill(producer.pid, signal.SIGSTOP)
         try:
-            kind, message = consumer.call(u.try_load, data)  # waits the fetch's 10 s
+            kind, message, stall = consumer.call(_load_while_ticking, data)  # waits the fetch's 10 s
         finally:
             os.kill(producer.pid, signal.SIGCONT)
         assert kind == "TimeoutError" and "no answer from the fd server" in message, (kind, message)
+        assert stall < 1.0, f"the load held the GIL: another thread stalled {stall:.1f} s"
         consumer.call(u.collect)
         s = producer.call(u.wait_for_stats, "exports", 0, 0.3)
         assert s["exports"] == 1 and s["tokens_pending"] == 1, f"the failed load spent the token: {s}"
