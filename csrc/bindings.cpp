@@ -11,8 +11,11 @@
 #include "fd_passing.h"
 #include "host_memory.h"
 #include "import.h"
+#include "ipc_event.h"
+#include "names.h"
 #include "process.h"
 #include "refcount.h"
+#include "sweep.h"
 #include "vmm.h"
 
 namespace py = pybind11;
@@ -138,6 +141,7 @@ py::dict stats() {
   out["events_open"] = i.events_open;
   out["lease_segments"] = lease_segment_count();
   out["host_segments"] = host_segment_count();
+  out["swept_files"] = swept_file_count();
   VmmStats v = vmm_stats();
   out["vmm_export_groups"] = v.export_groups;
   out["vmm_exported_chunks"] = v.exported_chunks;
@@ -236,12 +240,38 @@ PYBIND11_MODULE(_C, m) {
     lease_unlink_own_segments();
     host_unlink_all();
   });
+  // Note [sweep] in sweep.h; the collector calls it every TORCH_IPC_SWEEP_INTERVAL.
+  m.def(
+      "sweep",
+      [] {
+        int removed = sweep_stale_shm();
+        forget_exited_processes();
+        return removed;
+      },
+      py::call_guard<py::gil_scoped_release>());
   m.def("stats", &stats);
   m.def("cuda_available", [] {
     std::string why;
     bool ok = driver_available(&why);
     return py::make_tuple(ok, why);
   });
+
+  // ---- IpcEvent (csrc/ipc_event.h); torch_ipc/ipc_event.py is its Python face ----
+  auto stream_arg = [](const std::optional<uintptr_t>& s) -> std::optional<CUstream> {
+    if (!s) return std::nullopt;
+    return reinterpret_cast<CUstream>(*s);
+  };
+  py::class_<IpcEvent, std::shared_ptr<IpcEvent>>(m, "IpcEvent")
+      .def(py::init<int>(), py::arg("device"))
+      .def_static("from_state", [](const py::bytes& s) { return IpcEvent::from_state(s); })
+      .def("state", [](const IpcEvent& e) { return py::bytes(e.state()); })
+      .def_property_readonly("device", &IpcEvent::device)
+      .def("record", [stream_arg](IpcEvent& e, std::optional<uintptr_t> s) { e.record(stream_arg(s)); },
+           py::arg("stream") = py::none())
+      .def("wait", [stream_arg](IpcEvent& e, std::optional<uintptr_t> s) { e.wait(stream_arg(s)); },
+           py::arg("stream") = py::none())
+      .def("query", &IpcEvent::query)
+      .def("synchronize", &IpcEvent::synchronize, py::call_guard<py::gil_scoped_release>());
 
   // ---- begin VMM sharing and fd passing (csrc/vmm.h, csrc/fd_passing.h) ----
   m.def(
@@ -266,9 +296,12 @@ PYBIND11_MODULE(_C, m) {
   testing.def("vmm_mapping_view", &vmm_mapping_view, py::arg("tensor"));
   // fd passing primitives: publish fds of this process, fetch another's.
   testing.def("fd_self", [] { return py::make_tuple(self_process().pid, self_process().start_time); });
-  testing.def("fd_socket_name", [](uint32_t pid, uint64_t start_time) {
-    return fd_socket_name(ProcessId{pid, start_time});
+  // The socket that serves export `id` of a process (Note [fd server name]).
+  testing.def("fd_socket_name", [](uint32_t pid, uint64_t start_time, uint64_t id) {
+    return fd_socket_name(ProcessId{pid, start_time}, static_cast<uint32_t>(id >> 32));
   });
+  // The values the OS random source gives next in this process (Note [names]).
+  testing.def("queue_random", &queue_random_for_testing, py::arg("values"));
   testing.def("fd_publish", [](const std::vector<int>& fds, const std::vector<uint64_t>& sizes) {
     TORCH_CHECK(fds.size() == sizes.size(), "torch_ipc: one size per fd");
     std::vector<PublishedItem> items;

@@ -37,6 +37,7 @@ namespace torch_ipc {
   X(cuEventSynchronize)                \
   X(cuEventDestroy)                    \
   X(cuStreamWaitEvent)                 \
+  X(cuStreamQuery)                     \
   X(cuMemCreate)                       \
   X(cuMemRelease)                      \
   X(cuMemExportToShareableHandle)      \

@@ -173,11 +173,12 @@ TensorRecord tensor_record(const at::Tensor& t, uint32_t storage, bool is_parame
   return tr;
 }
 
-// Step 4: order. One event per device, recorded on torch's current stream
-// after the work that wrote the tensors (Note [event pool] in events.cpp).
+// Step 4: order. One event per device whose current stream still has work,
+// recorded after the work that wrote the tensors (Note [event pool] and Note
+// [ordering without waiting] in events.cpp).
 void record_events(Descriptor& d, const std::map<int, uint16_t>& devices) {
   for (const auto& [device, index] : devices)
-    d.events.push_back(EventRecord{index, record_export_event(device)});
+    if (std::optional<Handle64> event = record_export_event(device)) d.events.push_back(EventRecord{index, *event});
 }
 
 // Step 5: leases, ours first (if the message holds any storage of ours),

@@ -1,18 +1,17 @@
 #include "host_memory.h"
 
-#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <set>
 
 #include <c10/core/CPUAllocator.h>
 
+#include "names.h"
 #include "process.h"
+#include "refcount.h"
 
 namespace torch_ipc {
 namespace {
-
-std::atomic<uint32_t> next_segment{0};
 
 // The DataPtr context of a storage moved into shared memory by this process.
 struct OwnedHostSegment;
@@ -43,9 +42,10 @@ HostSegment ensure_host_shared(const c10::Storage& storage) {
     return {seg->shm->name(), seg->shm->size()};
   }
   size_t nbytes = storage.nbytes();
-  static std::once_flag swept;
-  std::call_once(swept, sweep_stale_shm);
-  auto shm = ShmMapping::create(shm_name(self_process(), 'H', next_segment++), nbytes);
+  const uint32_t anchor = lease_anchor_segment();  // made first: Note [sweep]
+  auto shm = create_under_random_name("a host segment", [&](uint64_t r) {
+    return ShmMapping::create(host_segment_name(self_process(), anchor, r), nbytes);
+  });
   std::memcpy(shm->data(), current.get(), nbytes);
   HostSegment out{shm->name(), nbytes};
   void* data = shm->data();

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cctype>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +17,7 @@
 #include "errors.h"
 #include "events.h"
 #include "host_memory.h"
+#include "names.h"
 #include "process.h"
 #include "refcount.h"
 #include "registry.h"
@@ -135,20 +135,15 @@ bool release_ready(const PendingRelease& p) {
 
 // ---------------------------------------------------------------- mapping
 
-// "/torch_ipc.<pid>.<start>.H<n>" and nothing else: a handle is never a path.
+// A host segment's name (Note [names]) and nothing else: a handle is never a path.
 std::string host_name(const Handle64& h) {
   size_t n = 0;
   while (n < h.size() && h[n] != 0) ++n;
   for (size_t i = n; i < h.size(); ++i)
     if (h[i] != 0) throw DescriptorError("malformed torch_ipc descriptor: bytes after a shared memory name");
   std::string name(reinterpret_cast<const char*>(h.data()), n);
-  unsigned pid = 0, segment = 0;
-  unsigned long long start = 0;
-  int used = 0;
-  bool ok = std::sscanf(name.c_str(), "/torch_ipc.%u.%llu.H%u%n", &pid, &start, &segment, &used) == 3 &&
-            used == static_cast<int>(n);
-  for (char ch : name) ok = ok && (std::isdigit(static_cast<unsigned char>(ch)) || std::strchr("/torch_ipc.H", ch));
-  if (!ok) throw DescriptorError("malformed torch_ipc descriptor: bad shared memory name");
+  auto parsed = n > 0 && name[0] == '/' ? parse_shared_file_name(name.substr(1)) : std::nullopt;
+  if (!parsed || parsed->lease) throw DescriptorError("malformed torch_ipc descriptor: bad shared memory name");
   return name;
 }
 

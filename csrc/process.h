@@ -33,11 +33,9 @@ bool process_alive(const ProcessId& p);
 // Only the pid, for holder slots that store 32 bits: kill(pid, 0).
 bool pid_alive(uint32_t pid);
 
-// Name of a POSIX shared memory object of process p: "/torch_ipc.<pid>.<start>.<tag><n>".
-std::string shm_name(const ProcessId& p, char tag, uint32_t n);
-
-// Unlink /dev/shm/torch_ipc.* objects whose process is gone (left by a killed
-// producer). Called once, when this process creates its first segment.
-void sweep_stale_shm();
+// Close the pidfds process_alive() keeps for processes that have exited
+// since (the collector calls it; process_alive() alone closes a pidfd only
+// when asked about that process again).
+void forget_exited_processes();
 
 }  // namespace torch_ipc

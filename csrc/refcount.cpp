@@ -12,8 +12,10 @@
 #include <c10/util/Exception.h>
 
 #include "errors.h"
+#include "names.h"
 #include "process.h"
 #include "shm.h"
+#include "sweep.h"
 
 namespace torch_ipc {
 namespace {
@@ -87,7 +89,7 @@ class Leases {
     auto key = std::make_tuple(lease.owner.pid, lease.owner.start_time, lease.segment);
     auto it = foreign_.find(key);
     if (it == foreign_.end()) {
-      const std::string name = shm_name(lease.owner, 'L', lease.segment);
+      const std::string name = lease_segment_name(lease.owner, lease.segment);
       auto mapping = ShmMapping::open(name, kSegmentBytes);
       if (!mapping) {
         if (!process_alive(lease.owner))
@@ -126,16 +128,29 @@ class Leases {
     return static_cast<int>(own_.size() + foreign_.size());
   }
 
+  uint32_t anchor() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (own_.empty()) grow();
+    return anchor_;
+  }
+
  private:
   static Slot* slot_in(ShmMapping* m, uint32_t index) {
     return static_cast<Slot*>(m->data()) + index;
   }
 
+  // Each segment has a random id (Note [names]) and is an anchor (Note [sweep]).
   void grow() {
     if (own_.empty()) sweep_stale_shm();
-    uint32_t segment = static_cast<uint32_t>(own_.size());
-    auto mapping = ShmMapping::create(shm_name(self_process(), 'L', segment), kSegmentBytes);
+    uint32_t segment = 0;
+    auto mapping = create_under_random_name("a lease segment", [&](uint64_t r) {
+      segment = static_cast<uint32_t>(r);
+      return own_.count(segment) ? nullptr
+                                 : ShmMapping::create(lease_segment_name(self_process(), segment),
+                                                      kSegmentBytes, /*anchor=*/true);
+    });
     for (uint32_t i = kSlotsPerSegment; i-- > 0;) free_.emplace_back(segment, i);
+    if (own_.empty()) anchor_ = segment;
     own_.emplace(segment, std::move(mapping));
   }
 
@@ -144,6 +159,7 @@ class Leases {
   std::map<std::tuple<uint32_t, uint64_t, uint32_t>, std::unique_ptr<ShmMapping>> foreign_;
   std::vector<std::pair<uint32_t, uint32_t>> free_;
   uint64_t next_generation_ = 0;
+  uint32_t anchor_ = 0;  // the first own segment: the anchor of host segments
 };
 
 // Add n holds for `pid` to an existing word of it, or to a free one; false
@@ -330,5 +346,6 @@ HolderLivenessCycle::~HolderLivenessCycle() {
 void lease_unlink_own_segments() { Leases::get().unlink_own(); }
 void lease_drop_dead_segments() { Leases::get().drop_dead_foreign(); }
 int lease_segment_count() { return Leases::get().count(); }
+uint32_t lease_anchor_segment() { return Leases::get().anchor(); }
 
 }  // namespace torch_ipc

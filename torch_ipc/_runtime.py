@@ -24,10 +24,19 @@ last, after the feeders were flushed and the children joined (in processes
 that multiprocessing started, too, which skip atexit). An export after the
 shutdown (a thread still sending) raises instead of creating names nobody
 will unlink.
+
+Note [periodic sweep]
+Files of processes that died without their exit hook (SIGKILL, os._exit)
+would stay until another process made its first segment. So the collector
+also calls ``_C.sweep()`` (Note [sweep] in csrc/sweep.h), at most once per
+TORCH_IPC_SWEEP_INTERVAL seconds (default 5): such files go within that time
+while any torch_ipc process (a consumer too) runs. A sweep reads /dev/shm and
+probes one lock per process there, without the GIL.
 """
 
 import os
 import threading
+import time
 import warnings
 from multiprocessing import util as _mp_util
 from typing import Callable, List, Optional
@@ -57,9 +66,27 @@ def _interval() -> float:
         return 0.05
 
 
+def _sweeper() -> Callable[[], None]:
+    """A step that calls ``_C.sweep()`` at most once per TORCH_IPC_SWEEP_INTERVAL seconds."""
+    try:
+        interval = max(0.001, float(os.environ.get("TORCH_IPC_SWEEP_INTERVAL", "5")))
+    except ValueError:
+        interval = 5.0
+    due = time.monotonic()
+
+    def sweep() -> None:
+        nonlocal due
+        if time.monotonic() >= due:
+            due = time.monotonic() + interval
+            _C.sweep()
+
+    return sweep
+
+
 def _loop(interval: float) -> None:
+    sweep = _sweeper()
     while not _stop.wait(interval):
-        for step in [lambda: _C.collect(False), *_hooks]:
+        for step in [lambda: _C.collect(False), sweep, *_hooks]:
             try:
                 step()
             except Exception as e:  # never let the thread die silently
