@@ -22,6 +22,7 @@ from .errors import (
 )
 from .ipc_event import IpcEvent
 from .pool import SharedPool
+from . import kv  # noqa: E402  (torch_ipc.kv.SharedKVPool)
 from . import weights  # torch_ipc.weights.Publisher / Subscriber
 
 __version__ = "0.1.0"
