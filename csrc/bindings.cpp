@@ -2,8 +2,10 @@
 // exception types of errors.h onto the Python classes of torch_ipc/errors.py.
 #include <torch/extension.h>
 
-#include "block_allocator.h"
+#include <mutex>
+
 #include "batched_copy.h"
+#include "block_allocator.h"
 #include "cuda_driver.h"
 #include "descriptor.h"
 #include "errors.h"
@@ -126,6 +128,17 @@ py::dict stats() {
   out["tokens_pending"] = e.tokens_pending;
   out["holders"] = e.holders;
   out["dead_holders"] = e.dead_holders;
+  py::list oldest;
+  for (const PinnedExport& p : e.oldest) {
+    py::dict r;
+    r["age_s"] = p.age_s;
+    r["bytes"] = p.bytes;
+    r["tokens_pending"] = p.tokens_pending;
+    r["holders"] = p.holders;
+    r["dead_holders"] = p.dead_holders;
+    oldest.append(r);
+  }
+  out["oldest_exports"] = oldest;
   out["imports"] = i.holds;
   out["pending_releases"] = i.pending_releases;
   out["mappings_open"] = i.mappings_open;
@@ -170,13 +183,37 @@ PYBIND11_MODULE(_C, m) {
       .def("revoke", &Export::revoke);
   m.def("export_tensors", &export_tensors, py::arg("tensors"), py::arg("is_parameter"),
         py::arg("payload"), py::arg("consumers") = 1);
+  py::class_<PendingLoad, std::shared_ptr<PendingLoad>>(
+      m, "PendingLoad",
+      "What a load spends at its producers (a token, a forwarder's delivery) once it succeeded: "
+      "commit() spends it; a load that failed drops it unspent.")
+      .def("commit", &PendingLoad::commit);
+  // Note [imports without the GIL]
+  // A load may wait: for a VMM producer's fd server (up to 10 s), for /proc.
+  // It touches no Python object, so it runs with the GIL released and the
+  // other threads of the process keep running.
+  auto import_released = [](const py::bytes& data) {
+    std::string bytes = data;
+    py::gil_scoped_release release;
+    return import_tensors(bytes);
+  };
   m.def(
       "import_tensors",
-      [](const py::bytes& data) {
-        ImportResult r = import_tensors(data);
+      [import_released](const py::bytes& data) {
+        ImportResult r = import_released(data);
+        r.pending->commit();
         return py::make_tuple(r.tensors, r.is_parameter, py::bytes(r.payload));
       },
       py::arg("data"));
+  m.def(
+      "import_pending",
+      [import_released](const py::bytes& data) {
+        ImportResult r = import_released(data);
+        return py::make_tuple(r.tensors, r.is_parameter, py::bytes(r.payload), r.pending);
+      },
+      py::arg("data"),
+      "import_tensors, with what the load spends left to PendingLoad.commit() (Note [a load "
+      "spends last] in import.cpp).");
   m.def("describe", &describe, py::arg("data"));
   // Note [torch never sees our storages] in _reductions.py
   m.def(
@@ -191,6 +228,19 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "collect",
       [](bool close_idle) {
+        // Note [collect without the GIL]
+        // A collection looks at every live export and import: with thousands
+        // held it takes milliseconds, and the GIL would stall every Python
+        // thread for that long, every collect interval. It touches no Python
+        // object; storages it drops take the GIL themselves if a Python object
+        // still refers to them (torch's PyObject slot does). Collections run
+        // one at a time (the GIL used to see to that): a collect() returns
+        // after what another thread's collection dropped is freed and
+        // unmapped, so stats() afterwards are settled. The GIL is released
+        // before the lock is taken, never the other way round.
+        static std::mutex* one_at_a_time = new std::mutex();
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(*one_at_a_time);
         int reclaimed = collect_exports();
         collect_imports(close_idle);
         return reclaimed;

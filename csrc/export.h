@@ -57,8 +57,17 @@ std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
 // Returns how many exports were reclaimed.
 int collect_exports();
 
+// One live export, as stats() shows the oldest ones: an export that stays
+// long is pinned by a load that never came or a holder that never released.
+struct PinnedExport {
+  double age_s;
+  int64_t bytes, tokens_pending, holders, dead_holders;
+};
+constexpr size_t kOldestExportsShown = 16;
+
 struct ExportStats {
   int64_t exports, exported_bytes, tokens_pending, holders, dead_holders;
+  std::vector<PinnedExport> oldest;  // at most kOldestExportsShown, oldest first
 };
 ExportStats export_stats();
 

@@ -58,6 +58,9 @@ def stats() -> dict:
     exports / exported_bytes: live exports of this process and their bytes;
     tokens_pending: loads still expected; holders / dead_holders: processes
     holding our exports (dead ones until the next collect);
+    oldest_exports: the 16 oldest live exports, oldest first, each a dict of
+    age_s, bytes, tokens_pending, holders and dead_holders (an old one is
+    pinned by a load that never came, or by a holder that keeps it);
     imports: holds this process has on other processes' exports;
     pending_releases: releases waiting for GPU work; mappings_open /
     mappings_idle / events_open: opened handles; lease_segments, host_segments;
