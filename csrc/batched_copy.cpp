@@ -83,13 +83,13 @@ bool batched_copy_available(int device, std::string* why_not) {
 }
 
 void launch_batched(const at::Tensor& items, BatchedKernel kernel) {
-  TORCH_CHECK_VALUE(items.defined() && items.is_cuda() && items.scalar_type() == at::kLong &&
+  TORCH_IPC_CHECK_VALUE(items.defined() && items.is_cuda() && items.scalar_type() == at::kLong &&
                         items.dim() == 2 && items.size(1) == 4 && items.is_contiguous(),
                     "torch_ipc: batched copy items must be a contiguous int64 CUDA tensor of shape [n, 4]");
   const int k = static_cast<int>(kernel);
-  TORCH_CHECK_VALUE(k == 0 || k == 1, "torch_ipc: unknown batched kernel ", k);
+  TORCH_IPC_CHECK_VALUE(k == 0 || k == 1, "torch_ipc: unknown batched kernel ", k);
   const int64_t n = items.size(0);
-  TORCH_CHECK_VALUE(n <= 0x7fffffff, "torch_ipc: a batched copy holds at most 2^31-1 items, not ", n);
+  TORCH_IPC_CHECK_VALUE(n <= 0x7fffffff, "torch_ipc: a batched copy holds at most 2^31-1 items, not ", n);
   if (n == 0) return;
   const int device = items.get_device();
   const Module& m = module_for(device);

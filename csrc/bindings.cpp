@@ -60,6 +60,12 @@ void translate(std::exception_ptr p) {
     py::object exc = py::reinterpret_steal<py::object>(
         PyObject_CallFunction(PyExc_OSError, "is", e.error_number, e.what()));
     if (exc) PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+  } catch (const InvalidValue& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const InvalidIndex& e) {
+    PyErr_SetString(PyExc_IndexError, e.what());
+  } catch (const InvalidUse& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
   } catch (const c10::OutOfMemoryError& e) {
     PyErr_SetString(py::module_::import("torch").attr("OutOfMemoryError").ptr(), e.what_without_backtrace());
   } catch (const c10::IndexError& e) {
@@ -315,7 +321,7 @@ PYBIND11_MODULE(_C, m) {
   using ReleaseGil = py::call_guard<py::gil_scoped_release>;
   auto ids_of = [](const py::bytes& packed) {
     std::string_view v = packed;
-    TORCH_CHECK_VALUE(v.size() % sizeof(int64_t) == 0, "torch_ipc: packed block ids must be int64s");
+    TORCH_IPC_CHECK_VALUE(v.size() % sizeof(int64_t) == 0, "torch_ipc: packed block ids must be int64s");
     return std::make_pair(reinterpret_cast<const int64_t*>(v.data()), v.size() / sizeof(int64_t));
   };
   auto process = [](const ProcessId& p) { return py::make_tuple(p.pid, p.start_time); };
@@ -437,7 +443,7 @@ PYBIND11_MODULE(_C, m) {
   // The values the OS random source gives next in this process (Note [names]).
   testing.def("queue_random", &queue_random_for_testing, py::arg("values"));
   testing.def("fd_publish", [](const std::vector<int>& fds, const std::vector<uint64_t>& sizes) {
-    TORCH_CHECK(fds.size() == sizes.size(), "torch_ipc: one size per fd");
+    TORCH_IPC_CHECK(fds.size() == sizes.size(), "torch_ipc: one size per fd");
     std::vector<PublishedItem> items;
     for (size_t i = 0; i < fds.size(); ++i) items.push_back(PublishedItem{sizes[i], fds[i], {}});
     return fd_publish(items);
@@ -467,7 +473,7 @@ PYBIND11_MODULE(_C, m) {
       "vmm_handle_encode",
       [](uint32_t type, uint32_t n_chunks, uint64_t id, uint64_t chunk_bytes, uint32_t pid,
          const std::vector<int32_t>& fds) {
-        TORCH_CHECK_VALUE(type <= 0xFF, "torch_ipc: handle type must fit in a byte, not ", type);
+        TORCH_IPC_CHECK_VALUE(type <= 0xFF, "torch_ipc: handle type must fit in a byte, not ", type);
         VmmHandleField f;
         f.type = static_cast<uint8_t>(type);
         f.n_chunks = n_chunks;
@@ -484,7 +490,7 @@ PYBIND11_MODULE(_C, m) {
       "vmm_handle_decode",
       [](const py::bytes& data, const py::object& alloc_size) {
         std::string_view view = data;
-        TORCH_CHECK_VALUE(view.size() == sizeof(Handle64), "torch_ipc: a VMM handle field is 64 bytes, not ",
+        TORCH_IPC_CHECK_VALUE(view.size() == sizeof(Handle64), "torch_ipc: a VMM handle field is 64 bytes, not ",
                           view.size());
         Handle64 h;
         std::memcpy(h.data(), view.data(), h.size());

@@ -130,13 +130,13 @@ BlockAllocator::BlockAllocator(std::unique_ptr<ShmMapping> shm) : shm_(std::move
 BlockAllocator::Header* BlockAllocator::header() const { return static_cast<Header*>(shm_->data()); }
 
 std::unique_ptr<BlockAllocator> BlockAllocator::create(const BlockLayout& layout, uint64_t max_blocks) {
-  TORCH_CHECK_VALUE(max_blocks >= 1 && max_blocks <= kMaxBlocks, "torch_ipc: a KV pool has 1 to ", kMaxBlocks,
+  TORCH_IPC_CHECK_VALUE(max_blocks >= 1 && max_blocks <= kMaxBlocks, "torch_ipc: a KV pool has 1 to ", kMaxBlocks,
                     " blocks, not ", max_blocks);
-  TORCH_CHECK_VALUE(!layout.shape.empty() && layout.shape.size() <= kMaxBlockDims,
+  TORCH_IPC_CHECK_VALUE(!layout.shape.empty() && layout.shape.size() <= kMaxBlockDims,
                     "torch_ipc: a block has 1 to ", kMaxBlockDims, " dimensions, not ", layout.shape.size());
   const uint64_t block_bytes =
       checked_block_bytes(static_cast<uint32_t>(layout.shape.size()), layout.shape.data(), layout.dtype);
-  TORCH_CHECK_VALUE(block_bytes > 0, "torch_ipc: a block's dimensions must be positive and its size fit in 64 bits");
+  TORCH_IPC_CHECK_VALUE(block_bytes > 0, "torch_ipc: a block's dimensions must be positive and its size fit in 64 bits");
 
   // Named as a host segment of this process: the sweep removes the name once
   // the owner is gone (Note [sweep]); attached processes keep their mapping.
@@ -169,7 +169,7 @@ std::unique_ptr<BlockAllocator> BlockAllocator::create(const BlockLayout& layout
 }
 
 std::unique_ptr<BlockAllocator> BlockAllocator::attach(const std::string& name, const ProcessId& creator) {
-  TORCH_CHECK_VALUE(name.rfind("/torch_ipc.", 0) == 0 && name.find('/', 1) == std::string::npos,
+  TORCH_IPC_CHECK_VALUE(name.rfind("/torch_ipc.", 0) == 0 && name.find('/', 1) == std::string::npos,
                     "torch_ipc: '", name, "' is not the name of a KV pool's segment");
   auto shm = ShmMapping::open(name, sizeof(Header));
   if (!shm) {
@@ -212,9 +212,9 @@ void BlockAllocator::detach() noexcept {
 BlockAllocator::~BlockAllocator() { detach(); }
 
 void BlockAllocator::check_attached() const {
-  TORCH_CHECK(!made_here_.inherited(), "torch_ipc: this attachment to KV pool ", name(),
+  TORCH_IPC_CHECK(!made_here_.inherited(), "torch_ipc: this attachment to KV pool ", name(),
               " was inherited through fork and is the parent's; attach in this process");
-  TORCH_CHECK(!detached_, "torch_ipc: this process detached from KV pool ", name());
+  TORCH_IPC_CHECK(!detached_, "torch_ipc: this process detached from KV pool ", name());
 }
 
 void BlockAllocator::register_self() {
@@ -233,7 +233,7 @@ void BlockAllocator::register_self() {
     }
     reclaim_dead_locked();
   }
-  TORCH_CHECK(false, "torch_ipc: KV pool ", name(), " already has ", kMaxProcesses,
+  TORCH_IPC_CHECK(false, "torch_ipc: KV pool ", name(), " already has ", kMaxProcesses,
               " processes attached, the most it has room for");
 }
 
@@ -330,20 +330,20 @@ void BlockAllocator::check_ids_locked(const int64_t* ids, size_t n, uint32_t hol
   const uint64_t committed = h->num_blocks.load();
   const uint32_t* table = holder_table(h);
   for (size_t i = 0; i < n; ++i) {
-    TORCH_CHECK_INDEX(ids[i] >= 0 && static_cast<uint64_t>(ids[i]) < committed, "torch_ipc: block id ", ids[i],
+    TORCH_IPC_CHECK_INDEX(ids[i] >= 0 && static_cast<uint64_t>(ids[i]) < committed, "torch_ipc: block id ", ids[i],
                       " is out of range: the KV pool has blocks 0 to ", committed - 1);
     const uint32_t v = table[ids[i]];
     if (v == holder) continue;
-    TORCH_CHECK_VALUE(v != 0, "torch_ipc: cannot ", what, " block ", ids[i],
+    TORCH_IPC_CHECK_VALUE(v != 0, "torch_ipc: cannot ", what, " block ", ids[i],
                       ": it is free (given back already, or never allocated)");
     const ProcessSlot& s = h->processes[v - 1];
-    TORCH_CHECK_VALUE(false, "torch_ipc: cannot ", what, " block ", ids[i], ": it is held by pid ", s.pid,
+    TORCH_IPC_CHECK_VALUE(false, "torch_ipc: cannot ", what, " block ", ids[i], ": it is held by pid ", s.pid,
                       holder == slot_ + 1 ? ", not by this process" : ", not by the sender");
   }
   std::vector<int64_t> sorted(ids, ids + n);
   std::sort(sorted.begin(), sorted.end());
   auto dup = std::adjacent_find(sorted.begin(), sorted.end());
-  TORCH_CHECK_VALUE(dup == sorted.end(), "torch_ipc: block id ", dup == sorted.end() ? 0 : *dup,
+  TORCH_IPC_CHECK_VALUE(dup == sorted.end(), "torch_ipc: block id ", dup == sorted.end() ? 0 : *dup,
                     " is listed twice");
 }
 
@@ -372,10 +372,10 @@ void BlockAllocator::check_held(const int64_t* ids, size_t n) const {
 void BlockAllocator::take_over(const int64_t* ids, size_t n, uint32_t from_slot, const ProcessId& from) {
   check_attached();
   Header* h = header();
-  TORCH_CHECK_VALUE(from_slot < kMaxProcesses, "torch_ipc: malformed hand-over: process slot ", from_slot);
+  TORCH_IPC_CHECK_VALUE(from_slot < kMaxProcesses, "torch_ipc: malformed hand-over: process slot ", from_slot);
   Lock lock(*this);
   const ProcessSlot& s = h->processes[from_slot];
-  TORCH_CHECK_VALUE(s.in_use && s.pid == from.pid && s.start_time == from.start_time,
+  TORCH_IPC_CHECK_VALUE(s.in_use && s.pid == from.pid && s.start_time == from.start_time,
                     "torch_ipc: the sender of this hand-over (pid ", from.pid,
                     ") is no longer attached to the KV pool: it closed the pool or exited before the "
                     "hand-over was received, and its blocks went back to the pool");
@@ -396,7 +396,7 @@ ProcessId BlockAllocator::holder_of(int64_t id) const {
   Header* h = header();
   Lock lock(*this);
   const uint64_t committed = h->num_blocks.load();
-  TORCH_CHECK_INDEX(id >= 0 && static_cast<uint64_t>(id) < committed, "torch_ipc: block id ", id,
+  TORCH_IPC_CHECK_INDEX(id >= 0 && static_cast<uint64_t>(id) < committed, "torch_ipc: block id ", id,
                     " is out of range: the KV pool has ", committed, " blocks");
   const uint32_t v = holder_table(h)[id];
   if (v == 0) return ProcessId{};
@@ -424,14 +424,14 @@ std::vector<int64_t> BlockAllocator::held_by_self() const {
 
 void BlockAllocator::add_chunk(uint64_t count, const std::string& descriptor) {
   Header* h = header();
-  TORCH_CHECK_VALUE(descriptor.size() <= kDescriptorBytes, "torch_ipc: a chunk's descriptor has ",
+  TORCH_IPC_CHECK_VALUE(descriptor.size() <= kDescriptorBytes, "torch_ipc: a chunk's descriptor has ",
                     descriptor.size(), " bytes, more than the ", kDescriptorBytes, " a KV pool has room for");
   Lock lock(*this);
   const uint64_t first = h->num_blocks.load();
   const uint32_t index = h->num_chunks.load();
-  TORCH_CHECK_VALUE(count >= 1 && count <= h->max_blocks - first, "torch_ipc: the KV pool has ", first, " of at most ",
+  TORCH_IPC_CHECK_VALUE(count >= 1 && count <= h->max_blocks - first, "torch_ipc: the KV pool has ", first, " of at most ",
                     h->max_blocks, " blocks; it cannot grow by ", count, " (max_blocks is set at creation)");
-  TORCH_CHECK_VALUE(index < kMaxChunks, "torch_ipc: the KV pool already has ", kMaxChunks,
+  TORCH_IPC_CHECK_VALUE(index < kMaxChunks, "torch_ipc: the KV pool already has ", kMaxChunks,
                     " chunks, the most it has room for");
   ChunkEntry& c = h->chunks[index];
   c.first = first;

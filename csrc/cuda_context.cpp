@@ -52,7 +52,7 @@ std::mutex context_mutex;
 
 CUcontext primary_context(int device) {
   DeviceTable& t = table();
-  TORCH_CHECK(device >= 0 && device < static_cast<int>(t.contexts.size()),
+  TORCH_IPC_CHECK(device >= 0 && device < static_cast<int>(t.contexts.size()),
               "torch_ipc: no CUDA device ", device);
   std::lock_guard<std::mutex> lock(context_mutex);
   if (t.contexts[device] == nullptr) {
@@ -69,7 +69,7 @@ CUcontext primary_context(int device) {
 
 const Uuid& device_uuid(int index) {
   DeviceTable& t = table();
-  TORCH_CHECK(index >= 0 && index < static_cast<int>(t.uuids.size()), "torch_ipc: no CUDA device ",
+  TORCH_IPC_CHECK(index >= 0 && index < static_cast<int>(t.uuids.size()), "torch_ipc: no CUDA device ",
               index);
   return t.uuids[index];
 }

@@ -98,7 +98,7 @@ bool cuda_forbidden() {
 void cuda_forbid_after_fork() { cuda_after_fork.store(kUnchecked); }
 
 const DriverApi& driver() {
-  TORCH_CHECK(!cuda_forbidden(),
+  TORCH_IPC_CHECK(!cuda_forbidden(),
               "Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, "
               "you must use the 'spawn' start method");
   const Loaded& l = loaded();

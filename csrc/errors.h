@@ -1,7 +1,16 @@
 // The C++ exception types of torch_ipc; bindings.cpp maps each to its Python class.
-// Implementation files throw these (or TORCH_CHECK for bad arguments and usage
-// limits), never std::runtime_error, never print.
+// Implementation files throw these (bad arguments and usage limits through the
+// TORCH_IPC_CHECK macros below), never std::runtime_error, never print.
+//
+// Note [no c10 errors]
+// A c10::Error (TORCH_CHECK) gathers a backtrace when it is made, and torch's
+// Python bindings make that include the Python stack: made on a thread that
+// does not hold the GIL (our collector, a load, an allocator call that waits
+// for another process's lock all release it) it crashed the process. So
+// torch_ipc's own checks throw these types, which gather nothing.
 #pragma once
+
+#include <c10/util/StringUtil.h>
 
 #include <cstdint>
 #include <stdexcept>
@@ -74,4 +83,26 @@ OsError os_error(int err, const std::string& call, const std::string& subject = 
 // The one wording of "the producer (pid N) has exited", and what is lost with it.
 ProducerGone producer_gone(uint32_t pid, const std::string& consequence = "");
 
+// A bad argument (Python ValueError), an index out of range (IndexError), a
+// call this object cannot take now or a limit reached (RuntimeError).
+struct InvalidValue : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+struct InvalidIndex : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+struct InvalidUse : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 }  // namespace torch_ipc
+
+// TORCH_CHECK, TORCH_CHECK_VALUE, TORCH_CHECK_INDEX without a c10::Error
+// (Note [no c10 errors]).
+#define TORCH_IPC_CHECK_AS(type, cond, ...) \
+  do {                                      \
+    if (!(cond)) throw type(::c10::str(__VA_ARGS__)); \
+  } while (0)
+#define TORCH_IPC_CHECK(cond, ...) TORCH_IPC_CHECK_AS(::torch_ipc::InvalidUse, cond, __VA_ARGS__)
+#define TORCH_IPC_CHECK_VALUE(cond, ...) TORCH_IPC_CHECK_AS(::torch_ipc::InvalidValue, cond, __VA_ARGS__)
+#define TORCH_IPC_CHECK_INDEX(cond, ...) TORCH_IPC_CHECK_AS(::torch_ipc::InvalidIndex, cond, __VA_ARGS__)

@@ -1,4 +1,5 @@
 #include "export.h"
+#include "errors.h"
 
 #include <c10/core/StorageImpl.h>
 
@@ -53,21 +54,21 @@ LeaseKey key_of(const LeaseRecord& l) {
 }
 
 void check_shareable(const at::Tensor& t) {
-  TORCH_CHECK(t.defined(), "torch_ipc: cannot share an undefined tensor");
+  TORCH_IPC_CHECK(t.defined(), "torch_ipc: cannot share an undefined tensor");
   // torch's own refusal, word for word (torch/multiprocessing/reductions.py).
-  TORCH_CHECK(!t.requires_grad() || t.is_leaf(),
+  TORCH_IPC_CHECK(!t.requires_grad() || t.is_leaf(),
               "Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd "
               "does not support crossing process boundaries.  If you just want to transfer the "
               "data, call detach() on the tensor before serializing (e.g., putting it on the queue).");
-  TORCH_CHECK(t.layout() == c10::kStrided, "torch_ipc shares strided tensors, not ", t.layout());
-  TORCH_CHECK(!t.is_quantized(), "torch_ipc cannot share quantized tensors");
-  TORCH_CHECK(!t.is_neg() && !t.is_conj(),
+  TORCH_IPC_CHECK(t.layout() == c10::kStrided, "torch_ipc shares strided tensors, not ", t.layout());
+  TORCH_IPC_CHECK(!t.is_quantized(), "torch_ipc cannot share quantized tensors");
+  TORCH_IPC_CHECK(!t.is_neg() && !t.is_conj(),
               "torch_ipc: resolve lazy conjugation/negation first (tensor.resolve_conj())");
   const c10::DeviceType type = t.storage().device_type();
-  TORCH_CHECK(type == c10::DeviceType::CUDA || type == c10::DeviceType::CPU,
+  TORCH_IPC_CHECK(type == c10::DeviceType::CUDA || type == c10::DeviceType::CPU,
               "torch_ipc shares CUDA and CPU tensors, not ", t.storage().device());
   for (int64_t s : t.strides())
-    TORCH_CHECK(s >= 0, "torch_ipc: tensors with negative strides cannot be shared");
+    TORCH_IPC_CHECK(s >= 0, "torch_ipc: tensors with negative strides cannot be shared");
 }
 
 // Step 1: the distinct storages of a message, in first-seen order, and the
@@ -257,7 +258,7 @@ void Export::revoke() {
 std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
                                        const std::vector<bool>& is_parameter,
                                        const std::string& payload, uint32_t consumers) {
-  TORCH_CHECK(is_parameter.empty() || is_parameter.size() == tensors.size(),
+  TORCH_IPC_CHECK(is_parameter.empty() || is_parameter.size() == tensors.size(),
               "torch_ipc: is_parameter must have one entry per tensor");
   MessageStorages message = collect_storages(tensors);
   std::vector<Source> sources = find_sources(message.storages);

@@ -95,7 +95,7 @@ std::atomic<int64_t> via_socket{0}, via_pidfd{0}, pidfd_refused{0};
 sockaddr_un address_of(const std::string& name, socklen_t* len) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
-  TORCH_CHECK(name.size() + 1 <= sizeof(addr.sun_path), "torch_ipc: socket name too long");
+  TORCH_IPC_CHECK(name.size() + 1 <= sizeof(addr.sun_path), "torch_ipc: socket name too long");
   addr.sun_path[0] = '\0';  // abstract namespace: no file, gone with the process
   std::memcpy(addr.sun_path + 1, name.data(), name.size());
   *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
@@ -437,7 +437,7 @@ FdTransport fd_transport_from_env() {
   if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return FdTransport::Auto;
   if (std::strcmp(v, "socket") == 0) return FdTransport::Socket;
   if (std::strcmp(v, "pidfd") == 0) return FdTransport::Pidfd;
-  TORCH_CHECK(false, "torch_ipc: TORCH_IPC_FD_TRANSPORT must be auto, socket or pidfd, not '", v, "'");
+  TORCH_IPC_CHECK(false, "torch_ipc: TORCH_IPC_FD_TRANSPORT must be auto, socket or pidfd, not '", v, "'");
 }
 
 // The child closes its copy of the parent's listening socket (a child that
@@ -482,7 +482,7 @@ std::vector<ReceivedItem> fd_fetch(const ProcessId& owner, uint64_t id,
   auto key = std::make_pair(owner.pid, owner.start_time);
   std::vector<ReceivedItem> out;
   if (mode == FdTransport::Pidfd) {
-    TORCH_CHECK(!remote_fds.empty(),
+    TORCH_IPC_CHECK(!remote_fds.empty(),
                 "torch_ipc: TORCH_IPC_FD_TRANSPORT=pidfd, but this descriptor does not carry the "
                 "producer's fd numbers (its allocation has too many or unequal chunks); use auto");
     fetch_pidfd(owner, remote_fds, true, out);

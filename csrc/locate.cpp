@@ -1,4 +1,5 @@
 #include "locate.h"
+#include "errors.h"
 
 #include <c10/core/StorageImpl.h>
 #include <c10/util/intrusive_ptr.h>
@@ -91,7 +92,7 @@ std::optional<Location> locate_legacy(Locations& l, const c10::Storage& storage,
 
 Location locate_host(const c10::Storage& storage) {
   HostSegment segment = ensure_host_shared(storage);
-  TORCH_CHECK(segment.name.size() < 64, "torch_ipc: shared memory name too long");
+  TORCH_IPC_CHECK(segment.name.size() < 64, "torch_ipc: shared memory name too long");
   Location where;
   where.alloc.kind = AllocKind::CpuShm;
   std::memcpy(where.alloc.handle.data(), segment.name.data(), segment.name.size());

@@ -1,4 +1,5 @@
 #include "shared_counters.h"
+#include "errors.h"
 
 #include <c10/util/Exception.h>
 
@@ -13,13 +14,13 @@ namespace {
 // store-then-load handshake between two sides, which weaker orders allow to
 // reorder.
 int64_t* slot(const at::Tensor& counters, int64_t index) {
-  TORCH_CHECK_VALUE(counters.defined() && counters.device().is_cpu() && counters.scalar_type() == at::kLong &&
+  TORCH_IPC_CHECK_VALUE(counters.defined() && counters.device().is_cpu() && counters.scalar_type() == at::kLong &&
                         counters.is_contiguous(),
                     "torch_ipc: counters must be a contiguous int64 CPU tensor");
-  TORCH_CHECK_INDEX(index >= 0 && index < counters.numel(), "torch_ipc: counter index ", index,
+  TORCH_IPC_CHECK_INDEX(index >= 0 && index < counters.numel(), "torch_ipc: counter index ", index,
                     " out of range for ", counters.numel(), " counters");
   int64_t* p = counters.data_ptr<int64_t>() + index;
-  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(p) % alignof(int64_t) == 0, "torch_ipc: counter slot not aligned");
+  TORCH_IPC_CHECK_VALUE(reinterpret_cast<uintptr_t>(p) % alignof(int64_t) == 0, "torch_ipc: counter slot not aligned");
   static_assert(__atomic_always_lock_free(sizeof(int64_t), 0), "64-bit atomics must be lock-free");
   return p;
 }

@@ -1,6 +1,7 @@
 // SharedPool: cuMemCreate allocations of a whole number of granules, one per
 // tensor, with shareable handles; freed (after a device sync) with the storage.
 #include "shared_pool.h"
+#include "errors.h"
 
 #include <c10/core/StorageImpl.h>
 #include <c10/core/TensorImpl.h>
@@ -55,7 +56,7 @@ struct PoolAllocation {
 void delete_pool_allocation(void* ctx) { delete static_cast<PoolAllocation*>(ctx); }
 
 CUmemAllocationProp pool_prop(int device, CUmemAllocationHandleType type) {
-  TORCH_CHECK(vmm_known_handle_type(type), "torch_ipc: handle type must be POSIX_FILE_DESCRIPTOR (1) or FABRIC (8), not ",
+  TORCH_IPC_CHECK(vmm_known_handle_type(type), "torch_ipc: handle type must be POSIX_FILE_DESCRIPTOR (1) or FABRIC (8), not ",
               static_cast<int>(type));
   CUdevice dev;
   TORCH_IPC_CU(cuDeviceGet, &dev, device);
@@ -85,12 +86,12 @@ at::Tensor vmm_pool_empty(const std::vector<int64_t>& sizes, c10::ScalarType dty
                           CUmemAllocationHandleType handle_type) {
   uint64_t numel = 1;
   for (int64_t s : sizes) {
-    TORCH_CHECK(s >= 0, "torch_ipc: negative dimension ", s);
-    TORCH_CHECK(s == 0 || numel <= UINT64_MAX / static_cast<uint64_t>(s), "torch_ipc: tensor too large");
+    TORCH_IPC_CHECK(s >= 0, "torch_ipc: negative dimension ", s);
+    TORCH_IPC_CHECK(s == 0 || numel <= UINT64_MAX / static_cast<uint64_t>(s), "torch_ipc: tensor too large");
     numel *= static_cast<uint64_t>(s);
   }
   const uint64_t item = c10::elementSize(dtype);
-  TORCH_CHECK(numel <= UINT64_MAX / item, "torch_ipc: tensor too large");
+  TORCH_IPC_CHECK(numel <= UINT64_MAX / item, "torch_ipc: tensor too large");
   const uint64_t nbytes = numel * item;
 
   ScopedContext scope(device);
@@ -141,7 +142,7 @@ bool vmm_is_pool_storage(const c10::Storage& storage) {
 }
 
 at::Tensor vmm_mapping_view(const at::Tensor& t) {
-  TORCH_CHECK(t.is_cuda() && t.storage().nbytes() > 0, "torch_ipc: need a non-empty CUDA tensor");
+  TORCH_IPC_CHECK(t.is_cuda() && t.storage().nbytes() > 0, "torch_ipc: need a non-empty CUDA tensor");
   int device = t.device().index();
   ScopedContext scope(device);
   auto [base, size, block] = chunk_at(reinterpret_cast<CUdeviceptr>(t.storage().data()));

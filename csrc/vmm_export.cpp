@@ -1,6 +1,7 @@
 // VMM producer side: the export cache of physical allocations (chunks), the runs
 // of them published for consumers (fd_publish), and their collection once dead.
 #include "vmm_export.h"
+#include "errors.h"
 
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
@@ -119,7 +120,7 @@ std::shared_ptr<Chunk> export_chunk(CUdeviceptr va, uint64_t size, int device) {
   c->device = device;
   c->size = size;
   CUresult r = driver().cuMemRetainAllocationHandle(&c->handle, reinterpret_cast<void*>(va));
-  TORCH_CHECK(r == CUDA_SUCCESS, not_shareable(driver_error_message("cuMemRetainAllocationHandle", r)));
+  TORCH_IPC_CHECK(r == CUDA_SUCCESS, not_shareable(driver_error_message("cuMemRetainAllocationHandle", r)));
   c->retained = true;
   CUmemAllocationProp prop{};
   TORCH_IPC_CU(cuMemGetAllocationPropertiesFromHandle, &prop, c->handle);
@@ -137,7 +138,7 @@ std::shared_ptr<Chunk> export_chunk(CUdeviceptr va, uint64_t size, int device) {
     static_assert(sizeof(fabric) == 64, "a fabric handle is 64 bytes");
     std::memcpy(c->blob.data(), &fabric, 64);
   } else {
-    TORCH_CHECK(
+    TORCH_IPC_CHECK(
         false,
         "torch_ipc: this CUDA tensor lives in a cuMemCreate allocation made without a shareable "
         "handle type (requestedHandleTypes has neither POSIX_FILE_DESCRIPTOR nor FABRIC), so no "
@@ -152,12 +153,12 @@ std::shared_ptr<Group> publish_group(std::vector<std::shared_ptr<Chunk>> chunks)
   g->chunks = std::move(chunks);
   VmmHandleField f;
   f.type = static_cast<uint8_t>(g->chunks[0]->type);
-  TORCH_CHECK(g->chunks.size() <= UINT32_MAX, "torch_ipc: too many allocations under one storage");
+  TORCH_IPC_CHECK(g->chunks.size() <= UINT32_MAX, "torch_ipc: too many allocations under one storage");
   f.n_chunks = static_cast<uint32_t>(g->chunks.size());
   f.chunk_bytes = g->chunks[0]->size;
   std::vector<PublishedItem> items;
   for (auto& c : g->chunks) {
-    TORCH_CHECK(c->type == g->chunks[0]->type,
+    TORCH_IPC_CHECK(c->type == g->chunks[0]->type,
                 "torch_ipc: a storage spans allocations with different shareable handle types");
     if (c->size != f.chunk_bytes) f.chunk_bytes = 0;
     g->size += c->size;
@@ -188,7 +189,7 @@ MappedChunk chunk_at(CUdeviceptr p) {
   if (!ok) {
     c = MappedChunk{};
     CUresult r = driver().cuMemGetAddressRange(&c.base, &c.size, p);
-    TORCH_CHECK(r == CUDA_SUCCESS && c.size != 0 && c.base <= p && p < c.base + c.size,
+    TORCH_IPC_CHECK(r == CUDA_SUCCESS && c.size != 0 && c.base <= p && p < c.base + c.size,
                 not_shareable(r != CUDA_SUCCESS ? driver_error_message("cuMemGetAddressRange", r)
                                                 : "the driver reports no mapping at this address"));
   }
