@@ -271,6 +271,7 @@ PYBIND11_MODULE(_C, m) {
       },
       py::call_guard<py::gil_scoped_release>());
   m.def("stats", &stats);
+  m.def("_forbid_cuda_after_fork", &forbid_cuda_after_fork);  // Note [CUDA after fork]
   m.def("cuda_available", [] {
     std::string why;
     bool ok = driver_available(&why);

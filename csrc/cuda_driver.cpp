@@ -70,35 +70,28 @@ std::string error_name(const Loaded& l, CUresult result) {
   return "CUDA_ERROR_" + std::to_string(result);
 }
 
+// Note [CUDA after fork]
+// A child forked from a process that initialised CUDA cannot use it, as torch
+// says. Initialised means: this module's driver called cuInit there, or torch
+// did (the Python half of the fork handler asks torch, _runtime.py). Only
+// loaded is not enough: torch's CUDA libraries load libcuda at import, and
+// a fork server that imported torch forks children that use CUDA well.
+std::atomic<bool> driver_initialised{false};
+std::atomic<bool> cuda_forbidden{false};
+
 const Loaded& loaded() {
-  static const Loaded instance = load();
+  static const Loaded instance = (driver_initialised.store(true), load());
   return instance;
 }
 
-// Note [CUDA after fork]
-// A child forked from a process that had CUDA (the driver library is loaded:
-// inherited) cannot use it, as torch says. Asked at the child's first CUDA
-// call, before our own dlopen would load the library.
-enum CudaAfterFork : int { kAllowed, kUnchecked, kForbidden };
-std::atomic<int> cuda_after_fork{kAllowed};
-
-bool cuda_forbidden() {
-  int state = cuda_after_fork.load();
-  if (state == kUnchecked) {
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-    if (lib != nullptr) dlclose(lib);
-    state = lib != nullptr ? kForbidden : kAllowed;
-    cuda_after_fork.store(state);
-  }
-  return state == kForbidden;
-}
 
 }  // namespace
 
-void cuda_forbid_after_fork() { cuda_after_fork.store(kUnchecked); }
+void cuda_forbid_after_fork() { cuda_forbidden.store(driver_initialised.load()); }
+void forbid_cuda_after_fork() { cuda_forbidden.store(true); }
 
 const DriverApi& driver() {
-  TORCH_IPC_CHECK(!cuda_forbidden(),
+  TORCH_IPC_CHECK(!cuda_forbidden.load(),
               "Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, "
               "you must use the 'spawn' start method");
   const Loaded& l = loaded();

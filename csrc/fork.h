@@ -34,5 +34,7 @@ void locations_forget_after_fork();   // locate.cpp: cached locations
 void vmm_forget_after_fork();         // vmm_export.cpp: published VMM chunks
 void fd_server_forget_after_fork();   // fd_passing.cpp: the fd server and what it serves
 void cuda_forbid_after_fork();        // cuda_driver.cpp: CUDA calls raise torch's error
+// The same, asked by Python when torch had initialised CUDA in the parent.
+void forbid_cuda_after_fork();
 
 }  // namespace torch_ipc

@@ -41,6 +41,8 @@ import warnings
 from multiprocessing import util as _mp_util
 from typing import Callable, List, Optional
 
+import torch
+
 from . import _C
 
 _lock = threading.Lock()
@@ -66,6 +68,8 @@ def _forget_parent_after_fork() -> None:
     _thread = None
     _pid = -1
     _shut_down = False
+    if torch.cuda._is_in_bad_fork():  # the parent initialised CUDA (Note [CUDA after fork])
+        _C._forbid_cuda_after_fork()
 
 
 os.register_at_fork(after_in_child=_forget_parent_after_fork)
