@@ -7,7 +7,13 @@
 
 import torch  # noqa: F401  (loads libc10/libtorch before the extension)
 
-from . import _C
+from ._torch_check import check_built_torch, extension_import_error
+
+check_built_torch()
+try:
+    from . import _C
+except ImportError as e:
+    raise extension_import_error(e) from e
 from ._reductions import init_reductions, reductions, restore_reductions
 from ._serialize import dumps, loads
 from .connection import Connection, Listener, connect, listen
