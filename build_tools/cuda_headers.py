@@ -37,15 +37,21 @@ def pip_package_candidates(site_dirs: Iterable[str]) -> List[str]:
     return found
 
 
-def candidates(env: Mapping[str, str], site_dirs: Sequence[str], nvcc: Optional[str]) -> List[str]:
+def toolkit_candidates(root: str = "/usr/local") -> List[str]:
+    """root/cuda/include, then root/cuda-*/include, the newest first."""
+    return [os.path.join(root, "cuda", "include")] + sorted(glob.glob(os.path.join(root, "cuda-*", "include")),
+                                                            reverse=True)
+
+
+def candidates(env: Mapping[str, str], site_dirs: Sequence[str], nvcc: Optional[str],
+               toolkits: Sequence[str]) -> List[str]:
     """Every folder to look in for cuda.h, in the order of the module docstring."""
     folders = [env.get("TORCH_IPC_CUDA_INCLUDE", "")]
     folders += [os.path.join(env[var], "include") for var in ("CUDA_HOME", "CUDA_PATH") if env.get(var)]
     if nvcc:
         folders.append(os.path.join(os.path.dirname(os.path.realpath(nvcc)), "..", "include"))
     folders += pip_package_candidates(site_dirs)
-    folders.append("/usr/local/cuda/include")
-    folders += sorted(glob.glob("/usr/local/cuda-*/include"), reverse=True)
+    folders += toolkits
     return [f for f in folders if f]
 
 
@@ -60,13 +66,16 @@ def not_found_message(looked_in: Sequence[str]) -> str:
 
 def find_cuda_include(env: Optional[Mapping[str, str]] = None,
                       site_dirs: Optional[Sequence[str]] = None,
-                      nvcc: Optional[str] = None) -> str:
+                      nvcc: Optional[str] = None,
+                      toolkits: Optional[Sequence[str]] = None) -> str:
     """The folder holding cuda.h; RuntimeError saying how to get one if none has it.
-    With no arguments: this process's environment, sys.path and PATH."""
+    Each argument left out is this machine's: the environment, sys.path,
+    `nvcc` on PATH and the toolkits under /usr/local."""
     env = os.environ if env is None else env
     site_dirs = [p for p in sys.path if os.path.isdir(p)] if site_dirs is None else site_dirs
     nvcc = shutil.which("nvcc") if nvcc is None else nvcc
-    folders = candidates(env, site_dirs, nvcc)
+    toolkits = toolkit_candidates() if toolkits is None else toolkits
+    folders = candidates(env, site_dirs, nvcc, toolkits)
     for folder in folders:
         if os.path.isfile(os.path.join(folder, "cuda.h")):
             return os.path.abspath(folder)

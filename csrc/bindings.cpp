@@ -118,6 +118,8 @@ py::dict stats() {
   out["tokens_pending"] = e.tokens_pending;
   out["holders"] = e.holders;
   out["dead_holders"] = e.dead_holders;
+  out["held_bytes"] = e.held_bytes;
+  out["held_cuda_ipc_bytes"] = e.held_cuda_ipc_bytes;
   out["imports"] = i.holds;
   out["pending_releases"] = i.pending_releases;
   out["mappings_open"] = i.mappings_open;

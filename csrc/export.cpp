@@ -271,6 +271,11 @@ ExportStats export_stats() {
     s.tokens_pending += c.tokens;
     s.holders += c.holders;
     s.dead_holders += c.dead_holders;
+    if (c.holders <= c.dead_holders) return;
+    s.held_bytes += static_cast<int64_t>(r.bytes);
+    for (size_t i = 0; i < r.storages.size(); ++i)
+      if (r.locations[i].alloc.kind == AllocKind::CudaIpc)
+        s.held_cuda_ipc_bytes += static_cast<int64_t>(r.storages[i].nbytes());
   });
   return s;
 }

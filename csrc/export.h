@@ -56,6 +56,9 @@ int collect_exports();
 
 struct ExportStats {
   int64_t exports, exported_bytes, tokens_pending, holders, dead_holders;
+  // Bytes of exports that a living consumer holds, and how many of them are
+  // legacy CUDA IPC memory (gone for those consumers when this process exits).
+  int64_t held_bytes, held_cuda_ipc_bytes;
 };
 ExportStats export_stats();
 

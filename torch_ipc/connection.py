@@ -171,6 +171,12 @@ def _exchange_pids(conn: mpc.Connection) -> int:
     return struct.unpack("<I", data)[0]
 
 
+def _with_address(error: OSError, what: str, todo: str) -> OSError:
+    """The same OSError (class and errno kept) with the address and what to do."""
+    reason = error.strerror or str(error)
+    return type(error)(error.errno, f"torch_ipc: {what}: {reason}; {todo}")
+
+
 class Listener:
     """Accept torch_ipc connections. ``authkey=None`` generates a random key,
     available as ``.authkey`` and printed to stderr so a client can be given it.
@@ -182,13 +188,19 @@ class Listener:
     """
 
     def __init__(self, address: Optional[Address] = None, *, authkey: Optional[bytes] = None, backlog: int = 16):
-        if authkey is None:
+        generated = authkey is None
+        if generated:
             authkey = secrets.token_hex(16).encode()
-            print(f"torch_ipc: generated authkey {authkey.decode()}", file=sys.stderr)
         if not isinstance(authkey, bytes) or not authkey:
             raise TypeError("authkey must be non-empty bytes")
         self.authkey = authkey
-        self._listener = mpc.Listener(address, backlog=backlog, authkey=authkey)
+        try:
+            self._listener = mpc.Listener(address, backlog=backlog, authkey=authkey)
+        except OSError as e:
+            raise _with_address(e, f"cannot listen at {address!r}", "pick a free address") from None
+        if generated:
+            print(f"torch_ipc: listening at {self.address!r}; clients connect with "
+                  f"torch_ipc.connect({self.address!r}, authkey={authkey!r})", file=sys.stderr)
 
     @property
     def address(self) -> Address:
@@ -235,4 +247,7 @@ def connect(address: Address, *, authkey: bytes) -> Connection:
         conn = mpc.Client(address, authkey=authkey)
     except AuthenticationError as e:
         raise AuthenticationError(f"torch_ipc: the listener at {address!r} refused this authkey ({e})") from None
+    except OSError as e:
+        raise _with_address(e, f"cannot connect to {address!r}",
+                            "start the listener first, or check the address") from None
     return Connection(conn, _exchange_pids(conn))
