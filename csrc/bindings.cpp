@@ -9,6 +9,7 @@
 #include "fd_passing.h"
 #include "host_memory.h"
 #include "import.h"
+#include "ipc_event.h"
 #include "process.h"
 #include "refcount.h"
 #include "vmm.h"
@@ -194,6 +195,23 @@ PYBIND11_MODULE(_C, m) {
     bool ok = driver_available(&why);
     return py::make_tuple(ok, why);
   });
+
+  // ---- IpcEvent (csrc/ipc_event.h); torch_ipc/ipc_event.py is its Python face ----
+  auto stream_arg = [](const std::optional<uintptr_t>& s) -> std::optional<CUstream> {
+    if (!s) return std::nullopt;
+    return reinterpret_cast<CUstream>(*s);
+  };
+  py::class_<IpcEvent, std::shared_ptr<IpcEvent>>(m, "IpcEvent")
+      .def(py::init<int>(), py::arg("device"))
+      .def_static("from_state", [](const py::bytes& s) { return IpcEvent::from_state(s); })
+      .def("state", [](const IpcEvent& e) { return py::bytes(e.state()); })
+      .def_property_readonly("device", &IpcEvent::device)
+      .def("record", [stream_arg](IpcEvent& e, std::optional<uintptr_t> s) { e.record(stream_arg(s)); },
+           py::arg("stream") = py::none())
+      .def("wait", [stream_arg](IpcEvent& e, std::optional<uintptr_t> s) { e.wait(stream_arg(s)); },
+           py::arg("stream") = py::none())
+      .def("query", &IpcEvent::query)
+      .def("synchronize", &IpcEvent::synchronize, py::call_guard<py::gil_scoped_release>());
 
   // ---- begin VMM sharing and fd passing (csrc/vmm.h, csrc/fd_passing.h) ----
   m.def(

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "cuda_context.h"
@@ -16,12 +17,16 @@ namespace torch_ipc {
 namespace {
 
 // Note [event pool]
-// The consumer's stream waits on an interprocess event that the producer
-// records on its current stream at export. Opening an IPC event costs ~150 us
-// in the consumer, so each producer records into a small pool per device that
-// every consumer opens once. Re-recording an event a consumer has not waited
-// on yet only makes that consumer wait for later work: still correct.
-constexpr int kEventsPerDevice = 4;
+// The consumer's stream is ordered after an interprocess event that the
+// producer records on its current stream at export. Opening an IPC event costs
+// ~150 us in the consumer, so each producer records into a small pool that
+// every consumer opens once. There is one pool per (device, stream): a
+// consumer may skip the wait when the event has completed (Note [ordering
+// without waiting]), and a completed latest record proves that the record
+// made for its export completed only when every later record of that event
+// went to the same stream. Re-recording an event a consumer has not looked at
+// yet only makes that consumer wait for later work of that stream: correct.
+constexpr int kEventsPerStream = 4;
 
 struct PooledEvent {
   CUevent event = nullptr;
@@ -33,15 +38,11 @@ struct EventPool {
   uint64_t next = 0;
 };
 
-struct OpenedEvent {
-  CUevent event;
-  ProcessId producer;
-};
-
 struct Events {
   std::mutex mu;
-  std::map<int, EventPool> pools;           // producer side, by device
-  std::map<Handle64, OpenedEvent> opened;   // consumer side, by handle
+  std::map<std::pair<int, CUstream>, EventPool> pools;         // producer side
+  std::map<Handle64, std::weak_ptr<OpenedEvent>> users;         // consumer side, by handle
+  std::map<Handle64, std::shared_ptr<OpenedEvent>> kept;        // ... kept open while the producer lives
 };
 
 Events& events() {
@@ -49,10 +50,10 @@ Events& events() {
   return *e;
 }
 
-PooledEvent& next_pooled_event(Events& e, int device) {
-  EventPool& pool = e.pools[device];
+PooledEvent& next_pooled_event(Events& e, int device, CUstream stream) {
+  EventPool& pool = e.pools[{device, stream}];
   if (pool.slots.empty()) {
-    std::vector<PooledEvent> slots(kEventsPerDevice);
+    std::vector<PooledEvent> slots(kEventsPerStream);
     for (auto& s : slots) {
       TORCH_IPC_CU(cuEventCreate, &s.event, CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
       CUipcEventHandle h;
@@ -64,69 +65,115 @@ PooledEvent& next_pooled_event(Events& e, int device) {
   return pool.slots[pool.next++ % pool.slots.size()];
 }
 
-CUevent own_event(Events& e, const Handle64& handle) {
-  for (auto& [device, pool] : e.pools)
+CUevent own_pooled_event(Events& e, const Handle64& handle) {
+  for (auto& [key, pool] : e.pools)
     for (auto& s : pool.slots)
       if (s.handle == handle) return s.event;
   throw DescriptorError("malformed torch_ipc descriptor: an event this process never made");
 }
 
-CUevent open_event(Events& e, const Handle64& handle, const ProcessId& producer,
-                   const std::function<bool(const ProcessId&)>& alive) {
-  auto it = e.opened.find(handle);
-  if (it != e.opened.end()) return it->second.event;
-  CUipcEventHandle h;
-  std::memcpy(h.reserved, handle.data(), 64);
-  CUevent event = nullptr;
-  CUresult r = driver().cuIpcOpenEventHandle(&event, h);
-  if (r != CUDA_SUCCESS) {
-    if (!alive(producer)) throw producer_gone(producer.pid, "its events are gone with it");
-    throw_driver_error("cuIpcOpenEventHandle", r);
-  }
-  e.opened.emplace(handle, OpenedEvent{event, producer});
-  return event;
-}
-
 }  // namespace
+
+OpenedEvent::~OpenedEvent() {
+  if (event == nullptr || in_forked_child()) return;
+  CUresult r = driver().cuEventDestroy(event);  // needs no current context
+  if (r != CUDA_SUCCESS && r != CUDA_ERROR_DEINITIALIZED)  // at exit, the driver went first
+    TORCH_WARN(driver_error_message("cuEventDestroy", r));
+}
 
 Handle64 record_export_event(int device) {
   Events& e = events();
   ScopedContext scope(device);
+  CUstream stream = current_stream(device);
   std::lock_guard<std::mutex> lock(e.mu);
-  PooledEvent& slot = next_pooled_event(e, device);
-  TORCH_IPC_CU(cuEventRecord, slot.event, current_stream(device));
+  PooledEvent& slot = next_pooled_event(e, device, stream);
+  TORCH_IPC_CU(cuEventRecord, slot.event, stream);
   return slot.handle;
 }
 
-void wait_export_event(const Handle64& handle, int device, const ProcessId& producer,
-                       const std::function<bool(const ProcessId&)>& alive) {
-  Events& e = events();
-  ScopedContext scope(device);
-  CUevent event;
-  {
-    std::lock_guard<std::mutex> lock(e.mu);
-    event = producer == self_process() ? own_event(e, handle) : open_event(e, handle, producer, alive);
-  }
-  TORCH_IPC_CU(cuStreamWaitEvent, current_stream(device), event, 0);
+// Note [ordering without waiting]
+// A stream that waits on an interprocess event (cuStreamWaitEvent) makes its
+// next kernel start ~225 us late on an H100 even when the event completed long
+// before; a query of the same event costs a few microseconds. By the time a
+// consumer loads a descriptor the producer's writes have nearly always
+// landed, so the consumer queries first and queues a wait only when the
+// event has not completed; the pools of Note [event pool] make "completed"
+// mean "our record completed". Measured alternatives and their numbers are in
+// benchmarks/RESULTS.md ("Ordering").
+void order_stream_after(CUevent event, CUstream stream) {
+  CUresult r = driver().cuEventQuery(event);
+  if (r == CUDA_SUCCESS) return;
+  if (r != CUDA_ERROR_NOT_READY) throw_driver_error("cuEventQuery", r);
+  TORCH_IPC_CU(cuStreamWaitEvent, stream, event, 0);
 }
 
-void close_events_of_dead(const std::function<bool(const ProcessId&)>& alive) {
+std::shared_ptr<OpenedEvent> open_ipc_event(const Handle64& handle, int device, const ProcessId& producer,
+                                            const AliveFn& alive) {
   Events& e = events();
   std::lock_guard<std::mutex> lock(e.mu);
-  for (auto it = e.opened.begin(); it != e.opened.end();) {
-    if (!alive(it->second.producer)) {
-      TORCH_IPC_CU_WARN(cuEventDestroy, it->second.event);
-      it = e.opened.erase(it);
+  auto it = e.users.find(handle);
+  if (it != e.users.end()) {
+    if (auto opened = it->second.lock()) {
+      if (opened->producer != producer || opened->device != device)
+        throw DescriptorError("malformed torch_ipc descriptor: one event handle named for two producers or devices");
+      return opened;
+    }
+  }
+  ScopedContext scope(device);
+  CUipcEventHandle h;
+  std::memcpy(h.reserved, handle.data(), 64);
+  auto opened = std::make_shared<OpenedEvent>();
+  opened->producer = producer;
+  opened->device = device;
+  CUresult r = driver().cuIpcOpenEventHandle(&opened->event, h);
+  if (r != CUDA_SUCCESS) {
+    opened->event = nullptr;
+    if (!alive(producer)) throw producer_gone(producer.pid, "its events are gone with it");
+    throw_driver_error("cuIpcOpenEventHandle", r);
+  }
+  e.users[handle] = opened;
+  e.kept[handle] = opened;
+  return opened;
+}
+
+void wait_export_event(const Handle64& handle, int device, const ProcessId& producer, const AliveFn& alive) {
+  ScopedContext scope(device);
+  CUstream stream = current_stream(device);
+  if (producer == self_process()) {
+    Events& e = events();
+    CUevent event;
+    {
+      std::lock_guard<std::mutex> lock(e.mu);
+      event = own_pooled_event(e, handle);
+    }
+    order_stream_after(event, stream);
+    return;
+  }
+  order_stream_after(open_ipc_event(handle, device, producer, alive)->event, stream);
+}
+
+void close_events_of_dead(const AliveFn& alive) {
+  Events& e = events();
+  std::vector<std::shared_ptr<OpenedEvent>> dropped;  // destroyed outside the lock
+  std::lock_guard<std::mutex> lock(e.mu);
+  for (auto it = e.kept.begin(); it != e.kept.end();) {
+    if (!alive(it->second->producer)) {
+      dropped.push_back(std::move(it->second));
+      it = e.kept.erase(it);
     } else {
       ++it;
     }
   }
+  for (auto it = e.users.begin(); it != e.users.end();)
+    it = it->second.expired() ? e.users.erase(it) : std::next(it);
 }
 
 int64_t events_open() {
   Events& e = events();
   std::lock_guard<std::mutex> lock(e.mu);
-  return static_cast<int64_t>(e.opened.size());
+  int64_t n = 0;
+  for (auto& [handle, user] : e.users) n += user.expired() ? 0 : 1;
+  return n;
 }
 
 }  // namespace torch_ipc

@@ -26,6 +26,7 @@ from .errors import (
     ProducerGoneError,
     ReleasedError,
 )
+from .ipc_event import IpcEvent
 from .pool import SharedPool
 
 __version__ = "0.1.0"
@@ -43,6 +44,7 @@ __all__ = [
     "listen",
     "connect",
     "SharedPool",
+    "IpcEvent",
     "DescriptorError",
     "CudaError",
     "CudaUnavailableError",

@@ -32,30 +32,11 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 
 from . import _C
-from .errors import CudaUnavailableError
+from ._cuda import DeviceLike, cuda_device_index
 
 __all__ = ["SharedPool", "is_pool_tensor", "isolate_tensors"]
 
 _HANDLE_TYPES = {"posix_fd": 1, "fabric": 8}  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, _FABRIC
-
-DeviceLike = Union[None, int, str, torch.device]
-
-
-def _device_index(device: DeviceLike) -> int:
-    if not torch.cuda.is_available():
-        ok, why = _C.cuda_available()
-        raise CudaUnavailableError(
-            "torch_ipc.SharedPool needs CUDA, and torch here cannot use it" + ("" if ok else f" ({why})")
-        )
-    if device is None:
-        return torch.cuda.current_device()
-    if isinstance(device, int):
-        return device
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"torch_ipc.SharedPool allocates CUDA memory, not {device}")
-    return torch.cuda.current_device() if device.index is None else device.index
-
 
 class SharedPool:
     """A source of CUDA tensors that are shared *isolated*.
@@ -98,7 +79,7 @@ class SharedPool:
 
     def granularity(self, device: DeviceLike = None) -> int:
         """Bytes every allocation is a multiple of, on ``device``."""
-        index = _device_index(self._device if device is None else device)
+        index = cuda_device_index(self._device if device is None else device, "torch_ipc.SharedPool")
         return _C.vmm_granularity(index, _HANDLE_TYPES[self.handle_type])
 
     def empty(
@@ -108,7 +89,7 @@ class SharedPool:
         if self._closed:
             raise RuntimeError("torch_ipc.SharedPool is closed")
         sizes = [int(shape)] if isinstance(shape, int) else [int(s) for s in shape]
-        index = _device_index(self._device if device is None else device)
+        index = cuda_device_index(self._device if device is None else device, "torch_ipc.SharedPool")
         return _C.vmm_pool_empty(sizes, dtype, index, _HANDLE_TYPES[self.handle_type])
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
