@@ -55,3 +55,16 @@ def test_readme_example_runs(tmp_path):
     assert producer.returncode == 0, err
     assert out.splitlines()[-1] == "producer sees: [1.0, 1.0, 1.0, 1.0]"
     assert err == ""  # no warning either
+
+
+def test_readme_api_table_lists_every_public_name():
+    import torch_ipc
+
+    readme = REPO / "README.md"
+    if not readme.is_file():
+        pytest.skip("needs the source tree's README.md")
+    text = readme.read_text()
+    table = text[text.index("## API"):]
+    table = table[:table.index("\n## ")]
+    listed = set(re.findall(r"^\| `(\w+)", table, flags=re.M))
+    assert set(torch_ipc.__all__) <= listed, sorted(set(torch_ipc.__all__) - listed)
