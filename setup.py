@@ -59,8 +59,13 @@ if torch_available():
 
         def run(self):
             super().run()
-            # Beside _C: in build/lib for a wheel, in the source folder with --inplace.
-            write_build_info(os.path.dirname(self.get_ext_fullpath(NAME)), torch.__version__)
+            # Beside _C: in build/lib for a wheel, in the source folder with --inplace;
+            # an editable install imports the package's Python files from the source folder.
+            folders = {os.path.dirname(self.get_ext_fullpath(NAME))}
+            if self.editable_mode:
+                folders.add(self.get_finalized_command("build_py").get_package_dir("torch_ipc"))
+            for folder in folders:
+                write_build_info(folder, torch.__version__)
 
     extension = CppExtension(name=NAME, sources=SOURCES, extra_compile_args=compile_args,
                              extra_link_args=link_args, libraries=["dl"])
