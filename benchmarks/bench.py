@@ -471,10 +471,10 @@ def channel_consumer(conn, side, cfg):
 def small_producer(same: bool, reading: bool):
     def producer(conn, side, cfg):
         p = plan(cfg)["small" if same else "small_new"]
-        x = torch.zeros(p["numel"], dtype=torch.float32, device=cfg["device"])
+        x = torch.empty(p["numel"], dtype=torch.float32, device=cfg["device"])
 
-        def fresh():
-            return torch.zeros(p["numel"], dtype=torch.float32, device=cfg["device"])
+        def fresh():  # no kernel: the producer does nothing on the GPU but share
+            return torch.empty(p["numel"], dtype=torch.float32, device=cfg["device"])
 
         t = round_trips(conn, side, always(x) if same else fresh, warmup=p["warmup"], iters=p["iters"],
                         timeout=cfg["timeout"])

@@ -88,8 +88,12 @@ def shared_page(path: str, create: bool):
 
 def producer(conn, path, iters, busy):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import faulthandler
+
     import torch_ipc
     from torch.multiprocessing.reductions import reduce_tensor
+
+    faulthandler.enable()
 
     drv = Driver()
     torch.cuda.init()
@@ -100,7 +104,10 @@ def producer(conn, path, iters, busy):
     page = shared_page(path, create=True)
     host_word = drv.host_register(page)
     conn.send((reduce_tensor(x), bytes(ev.ipc_handle()), ipc_ev))
-    conn.recv()
+    ready = conn.recv()
+    if ready is not None:
+        print(f"consumer failed:\n{ready[1]}", file=sys.stderr, flush=True)
+        return
     stream = torch.cuda.current_stream().cuda_stream
     seq = 0
     for way in WAYS:
@@ -126,6 +133,18 @@ def producer(conn, path, iters, busy):
 
 
 def consumer(conn, path, iters):
+    import faulthandler
+    import traceback
+
+    faulthandler.enable()
+    try:
+        consume(conn, path, iters)
+    except BaseException:
+        conn.send(("failed", traceback.format_exc()))
+        raise
+
+
+def consume(conn, path, iters):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch_ipc  # noqa: F401
 

@@ -2,16 +2,22 @@
 // exception types of errors.h onto the Python classes of torch_ipc/errors.py.
 #include <torch/extension.h>
 
+#include "batched_copy.h"
 #include "cuda_driver.h"
 #include "descriptor.h"
 #include "errors.h"
 #include "export.h"
 #include "fd_passing.h"
+#include "fork.h"
 #include "host_memory.h"
 #include "import.h"
 #include "ipc_event.h"
+#include "names.h"
 #include "process.h"
 #include "refcount.h"
+#include "registry.h"
+#include "shared_counters.h"
+#include "sweep.h"
 #include "vmm.h"
 
 namespace py = pybind11;
@@ -128,6 +134,7 @@ py::dict stats() {
   out["events_open"] = i.events_open;
   out["lease_segments"] = lease_segment_count();
   out["host_segments"] = host_segment_count();
+  out["swept_files"] = swept_file_count();
   VmmStats v = vmm_stats();
   out["vmm_export_groups"] = v.export_groups;
   out["vmm_exported_chunks"] = v.exported_chunks;
@@ -150,6 +157,7 @@ py::dict stats() {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
+  install_fork_handler();  // Note [fork] in process.h
   m.doc() = "torch_ipc's C++ core: descriptors, export/import, leases, CUDA driver";
   // Local: only the functions of this module, before pybind11's own translators.
   py::register_local_exception_translator(&translate);
@@ -171,6 +179,16 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("data"));
   m.def("describe", &describe, py::arg("data"));
+  // Note [torch never sees our storages] in _reductions.py
+  m.def(
+      "is_torch_ipc_storage",
+      [](const at::Tensor& t) {
+        if (!t.defined() || !t.has_storage()) return false;
+        const c10::Storage& s = t.storage();
+        return imported_origin(s).has_value() || is_host_shared(s) ||
+               (t.is_cuda() && vmm_is_pool_storage(s));
+      },
+      py::arg("tensor"));
   m.def(
       "collect",
       [](bool close_idle) {
@@ -180,7 +198,6 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("close_idle") = false);
   m.def("shutdown", [] {
-    if (in_forked_child()) return;  // the parent's segments are not ours to unlink
     try {
       flush_imports();
     } catch (const CudaUnavailable&) {
@@ -189,6 +206,15 @@ PYBIND11_MODULE(_C, m) {
     lease_unlink_own_segments();
     host_unlink_all();
   });
+  // Note [sweep] in sweep.h; the collector calls it every TORCH_IPC_SWEEP_INTERVAL.
+  m.def(
+      "sweep",
+      [] {
+        int removed = sweep_stale_shm();
+        forget_exited_processes();
+        return removed;
+      },
+      py::call_guard<py::gil_scoped_release>());
   m.def("stats", &stats);
   m.def("cuda_available", [] {
     std::string why;
@@ -231,14 +257,33 @@ PYBIND11_MODULE(_C, m) {
   });
   // ---- end VMM sharing ----
 
+  // ---- begin weights (csrc/batched_copy.h, csrc/shared_counters.h; torch_ipc/weights) ----
+  m.def("launch_batched", [](const at::Tensor& items, int kernel) {
+    launch_batched(items, static_cast<BatchedKernel>(kernel));
+  }, py::arg("items"), py::arg("kernel"));
+  m.def("batched_copy_available", [](int device) {
+    std::string why;
+    bool ok = batched_copy_available(device, &why);
+    return py::make_tuple(ok, why);
+  }, py::arg("device"));
+  m.attr("batched_item_bytes") = kBatchedItemBytes;
+  m.def("counter_load", &counter_load, py::arg("counters"), py::arg("index"));
+  m.def("counter_store", &counter_store, py::arg("counters"), py::arg("index"), py::arg("value"));
+  m.def("counter_compare_exchange", &counter_compare_exchange, py::arg("counters"), py::arg("index"),
+        py::arg("expected"), py::arg("desired"));
+  // ---- end weights ----
+
   // ---- test-only: torch_ipc._C._testing, not part of the package's API ----
   py::module_ testing = m.def_submodule("_testing", "primitives torch_ipc's own tests drive directly");
   testing.def("vmm_mapping_view", &vmm_mapping_view, py::arg("tensor"));
   // fd passing primitives: publish fds of this process, fetch another's.
   testing.def("fd_self", [] { return py::make_tuple(self_process().pid, self_process().start_time); });
-  testing.def("fd_socket_name", [](uint32_t pid, uint64_t start_time) {
-    return fd_socket_name(ProcessId{pid, start_time});
+  // The socket that serves export `id` of a process (Note [fd server name]).
+  testing.def("fd_socket_name", [](uint32_t pid, uint64_t start_time, uint64_t id) {
+    return fd_socket_name(ProcessId{pid, start_time}, static_cast<uint32_t>(id >> 32));
   });
+  // The values the OS random source gives next in this process (Note [names]).
+  testing.def("queue_random", &queue_random_for_testing, py::arg("values"));
   testing.def("fd_publish", [](const std::vector<int>& fds, const std::vector<uint64_t>& sizes) {
     TORCH_CHECK(fds.size() == sizes.size(), "torch_ipc: one size per fd");
     std::vector<PublishedItem> items;

@@ -2,9 +2,13 @@
 
 #include <dlfcn.h>
 
+#include <atomic>
 #include <mutex>
 
+#include <c10/util/Exception.h>
+
 #include "errors.h"
+#include "fork.h"
 
 namespace torch_ipc {
 namespace {
@@ -71,9 +75,32 @@ const Loaded& loaded() {
   return instance;
 }
 
+// Note [CUDA after fork]
+// A child forked from a process that had CUDA (the driver library is loaded:
+// inherited) cannot use it, as torch says. Asked at the child's first CUDA
+// call, before our own dlopen would load the library.
+enum CudaAfterFork : int { kAllowed, kUnchecked, kForbidden };
+std::atomic<int> cuda_after_fork{kAllowed};
+
+bool cuda_forbidden() {
+  int state = cuda_after_fork.load();
+  if (state == kUnchecked) {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (lib != nullptr) dlclose(lib);
+    state = lib != nullptr ? kForbidden : kAllowed;
+    cuda_after_fork.store(state);
+  }
+  return state == kForbidden;
+}
+
 }  // namespace
 
+void cuda_forbid_after_fork() { cuda_after_fork.store(kUnchecked); }
+
 const DriverApi& driver() {
+  TORCH_CHECK(!cuda_forbidden(),
+              "Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, "
+              "you must use the 'spawn' start method");
   const Loaded& l = loaded();
   if (!l.error.empty()) throw CudaUnavailable("torch_ipc: CUDA is not usable here: " + l.error);
   return l.api;

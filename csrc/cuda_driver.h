@@ -37,6 +37,7 @@ namespace torch_ipc {
   X(cuEventSynchronize)                \
   X(cuEventDestroy)                    \
   X(cuStreamWaitEvent)                 \
+  X(cuStreamQuery)                     \
   X(cuMemCreate)                       \
   X(cuMemRelease)                      \
   X(cuMemExportToShareableHandle)      \
@@ -51,7 +52,10 @@ namespace torch_ipc {
   X(cuMemGetAllocationPropertiesFromHandle) \
   X(cuCtxSynchronize)                  \
   X(cuMemsetD8Async)                   \
-  X(cuMemGetAddressRange)
+  X(cuMemGetAddressRange)             \
+  X(cuModuleLoadData)                  \
+  X(cuModuleGetFunction)               \
+  X(cuLaunchKernel)
 
 struct DriverApi {
 #define TORCH_IPC_DECLARE(name) decltype(&::name) name = nullptr;

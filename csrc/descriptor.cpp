@@ -264,7 +264,7 @@ Descriptor decode(const void* data, size_t size) {
     throw DescriptorError("torch_ipc descriptor has format version " + std::to_string(version) +
                           "; this build reads version " + std::to_string(kVersion));
   d.flags = r.get<uint16_t>("flags");
-  if (d.flags & ~(kHasCuda | kHasCpu)) bad("unknown header flags");
+  if (d.flags & ~(kHasCuda | kHasCpu | kOpenEnded)) bad("unknown header flags");
   uint32_t total = r.get<uint32_t>("length");
   if (total != size)
     bad("length field says " + std::to_string(total) + " bytes but " + std::to_string(size) +

@@ -26,7 +26,9 @@ constexpr uint16_t kNone16 = 0xFFFF;
 constexpr uint32_t kNoAlloc = 0xFFFFFFFF;
 constexpr int kMaxDims = 64;
 
-enum HeaderFlags : uint16_t { kHasCuda = 1, kHasCpu = 2 };
+// kOpenEnded: an export of dumps(consumers=None) (Note [open-ended exports] in
+// export.cpp): its forwarded leases carry no pending deliveries.
+enum HeaderFlags : uint16_t { kHasCuda = 1, kHasCpu = 2, kOpenEnded = 4 };
 
 enum class AllocKind : uint8_t {
   CudaIpc = 1,  // legacy cudaIpcMemHandle of a cudaMalloc segment

@@ -11,6 +11,7 @@
 #include "cuda_context.h"
 #include "cuda_driver.h"
 #include "errors.h"
+#include "fork.h"
 #include "process.h"
 
 namespace torch_ipc {
@@ -45,10 +46,7 @@ struct Events {
   std::map<Handle64, std::shared_ptr<OpenedEvent>> kept;        // ... kept open while the producer lives
 };
 
-Events& events() {
-  static Events* e = new Events();  // outlives static destructors
-  return *e;
-}
+Events& events() { return *process_state<Events>(); }
 
 PooledEvent& next_pooled_event(Events& e, int device, CUstream stream) {
   EventPool& pool = e.pools[{device, stream}];
@@ -74,17 +72,22 @@ CUevent own_pooled_event(Events& e, const Handle64& handle) {
 
 }  // namespace
 
+void events_forget_after_fork() { forget_after_fork<Events>(); }
+
 OpenedEvent::~OpenedEvent() {
-  if (event == nullptr || in_forked_child()) return;
+  if (event == nullptr || made.inherited()) return;  // CUDA is unusable in a forked child
   CUresult r = driver().cuEventDestroy(event);  // needs no current context
   if (r != CUDA_SUCCESS && r != CUDA_ERROR_DEINITIALIZED)  // at exit, the driver went first
     TORCH_WARN(driver_error_message("cuEventDestroy", r));
 }
 
-Handle64 record_export_event(int device) {
+std::optional<Handle64> record_export_event(int device) {
   Events& e = events();
   ScopedContext scope(device);
   CUstream stream = current_stream(device);
+  CUresult idle = driver().cuStreamQuery(stream);
+  if (idle == CUDA_SUCCESS) return std::nullopt;  // every write of this stream landed
+  if (idle != CUDA_ERROR_NOT_READY) throw_driver_error("cuStreamQuery", idle);
   std::lock_guard<std::mutex> lock(e.mu);
   PooledEvent& slot = next_pooled_event(e, device, stream);
   TORCH_IPC_CU(cuEventRecord, slot.event, stream);
@@ -92,14 +95,21 @@ Handle64 record_export_event(int device) {
 }
 
 // Note [ordering without waiting]
-// A stream that waits on an interprocess event (cuStreamWaitEvent) makes its
-// next kernel start ~225 us late on an H100 even when the event completed long
-// before; a query of the same event costs a few microseconds. By the time a
-// consumer loads a descriptor the producer's writes have nearly always
-// landed, so the consumer queries first and queues a wait only when the
-// event has not completed; the pools of Note [event pool] make "completed"
-// mean "our record completed". Measured alternatives and their numbers are in
-// benchmarks/RESULTS.md ("Ordering").
+// Two costs dominate a small message to a consumer that reads what it gets
+// (H100, measured by benchmarks/bench.py and benchmarks/ordering.py, numbers
+// in benchmarks/RESULTS.md): a stream that waits on an interprocess event
+// (cuStreamWaitEvent) starts its next kernel ~225 us late even when the event
+// completed long before, and any GPU command of the producer right before the
+// consumer's kernel (an event record included) costs the consumer a switch of
+// the GPU between the two processes' contexts, ~170 us. So:
+// - the producer records no event when torch's current stream has no work
+//   left (cuStreamQuery, host side only): the descriptor then carries none
+//   for that device, and the consumer orders nothing;
+// - the consumer queries an event before waiting on it and queues a wait
+//   only when it has not completed; the pools of Note [event pool] make
+//   "completed" mean "the record made for this export completed".
+// A write still in flight at export is always waited for, on the GPU; the
+// host never blocks.
 void order_stream_after(CUevent event, CUstream stream) {
   CUresult r = driver().cuEventQuery(event);
   if (r == CUDA_SUCCESS) return;

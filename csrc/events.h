@@ -7,16 +7,19 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 
 #include "descriptor.h"
+#include "process.h"
 
 namespace torch_ipc {
 
 using AliveFn = std::function<bool(const ProcessId&)>;
 
 // Producer: record an interprocess event on torch's current stream of
-// `device` (Note [event pool]) and return its IPC handle.
-Handle64 record_export_event(int device);
+// `device` (Note [event pool]) and return its IPC handle; nothing when that
+// stream has no work left (Note [ordering without waiting]).
+std::optional<Handle64> record_export_event(int device);
 
 // Consumer: order torch's current stream of `device` after the event `handle`
 // that `producer` recorded (this process included), without a stream wait
@@ -35,6 +38,7 @@ struct OpenedEvent {
   CUevent event = nullptr;
   ProcessId producer;
   int device = -1;
+  MadeHere made;  // a forked child leaves its parent's events alone (Note [fork])
   ~OpenedEvent();
 };
 std::shared_ptr<OpenedEvent> open_ipc_event(const Handle64& handle, int device, const ProcessId& producer,

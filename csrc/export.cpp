@@ -26,6 +26,18 @@ namespace {
 // consumer takes its own hold first and then removes one of those extras
 // (lease_remove_deliveries). The owner's token revocation never touches them.
 
+// Note [open-ended exports]
+// dumps(consumers=None) asks for no count of loads: any number of processes
+// may load while the producer still references the exported storages or some
+// reader holds what it loaded. Such an export (consumers == 0 here) takes no
+// tokens, so the usual rule (no token left, no living holder) applies once the
+// producer's own references are gone: the registry keeps an open-ended record
+// while a storage of it has references besides those of the records
+// (registry.cpp). Forwarded tensors in it carry no pending deliveries: the
+// forwarder's own hold at the owner lasts as long as it keeps the tensor,
+// which is the same rule one step up. Not the default: `q.put(x * 2)` drops
+// the tensor before anyone loads it (Note [consumers=None] in _serialize.py).
+
 // Leases of several owners: the owner's identity is part of the key.
 using LeaseKey = std::tuple<uint32_t, uint64_t, uint32_t, uint32_t, uint64_t>;
 LeaseKey key_of(const LeaseRecord& l) {
@@ -34,6 +46,11 @@ LeaseKey key_of(const LeaseRecord& l) {
 
 void check_shareable(const at::Tensor& t) {
   TORCH_CHECK(t.defined(), "torch_ipc: cannot share an undefined tensor");
+  // torch's own refusal, word for word (torch/multiprocessing/reductions.py).
+  TORCH_CHECK(!t.requires_grad() || t.is_leaf(),
+              "Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd "
+              "does not support crossing process boundaries.  If you just want to transfer the "
+              "data, call detach() on the tensor before serializing (e.g., putting it on the queue).");
   TORCH_CHECK(t.layout() == c10::kStrided, "torch_ipc shares strided tensors, not ", t.layout());
   TORCH_CHECK(!t.is_quantized(), "torch_ipc cannot share quantized tensors");
   TORCH_CHECK(!t.is_neg() && !t.is_conj(),
@@ -165,11 +182,12 @@ TensorRecord tensor_record(const at::Tensor& t, uint32_t storage, bool is_parame
   return tr;
 }
 
-// Step 4: order. One event per device, recorded on torch's current stream
-// after the work that wrote the tensors (Note [event pool] in events.cpp).
+// Step 4: order. One event per device whose current stream still has work,
+// recorded after the work that wrote the tensors (Note [event pool] and Note
+// [ordering without waiting] in events.cpp).
 void record_events(Descriptor& d, const std::map<int, uint16_t>& devices) {
   for (const auto& [device, index] : devices)
-    d.events.push_back(EventRecord{index, record_export_event(device)});
+    if (std::optional<Handle64> event = record_export_event(device)) d.events.push_back(EventRecord{index, *event});
 }
 
 // Step 5: leases, ours first (if the message holds any storage of ours),
@@ -178,6 +196,9 @@ void record_events(Descriptor& d, const std::map<int, uint16_t>& devices) {
 std::shared_ptr<Export> attach_leases_and_encode(Descriptor& d, TableBuilder& tables,
                                                  std::unique_ptr<ExportRecord> record,
                                                  uint32_t consumers) {
+  const bool open_ended = consumers == 0;
+  if (open_ended) d.flags |= kOpenEnded;
+  record->open_ended = open_ended;
   std::optional<LeaseRecord> own;
   if (!record->storages.empty()) {
     own = record->lease = lease_acquire(consumers);
@@ -187,8 +208,10 @@ std::shared_ptr<Export> attach_leases_and_encode(Descriptor& d, TableBuilder& ta
   try {
     std::map<LeaseKey, uint16_t> lease_index;
     for (const auto& [key, lease] : tables.forwarded) {
-      lease_add_deliveries(lease, consumers);
-      forwarded.push_back(lease);
+      if (!open_ended) {
+        lease_add_deliveries(lease, consumers);
+        forwarded.push_back(lease);
+      }
       lease_index[key] = static_cast<uint16_t>(d.leases.size());
       d.leases.push_back(lease);
     }
@@ -218,7 +241,7 @@ bool Export::live() const {
 }
 
 void Export::revoke() {
-  if (revoked_.exchange(true) || in_forked_child()) return;
+  if (made_.inherited() || revoked_.exchange(true)) return;
   if (own_ && export_is_live(*own_)) lease_revoke_tokens(*own_);
   for (const auto& lease : forwarded_) lease_remove_deliveries(lease, self_process().pid, consumers_);
 }
@@ -226,8 +249,6 @@ void Export::revoke() {
 std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
                                        const std::vector<bool>& is_parameter,
                                        const std::string& payload, uint32_t consumers) {
-  check_not_forked();
-  TORCH_CHECK(consumers >= 1, "torch_ipc: consumers must be at least 1");
   TORCH_CHECK(is_parameter.empty() || is_parameter.size() == tensors.size(),
               "torch_ipc: is_parameter must have one entry per tensor");
   MessageStorages message = collect_storages(tensors);
@@ -256,7 +277,6 @@ std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
 }
 
 int collect_exports() {
-  if (in_forked_child()) return 0;
   vmm_collect();  // VMM exports of storages that died since the last call
   forget_dead_locations();
   return drop_exports([](const ExportRecord& r) { return lease_try_reclaim(r.lease); });

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "descriptor.h"
+#include "process.h"
 
 namespace torch_ipc {
 
@@ -42,9 +43,11 @@ class __attribute__((visibility("hidden"))) Export {
   std::vector<LeaseRecord> forwarded_;
   uint32_t consumers_;
   std::atomic<bool> revoked_{false};
+  MadeHere made_;  // in a forked child, revoke() leaves the parent's message alone
 };
 
 // `is_parameter[i]`: rebuild tensor i as an nn.Parameter (Python knows, C++ does not).
+// `consumers`: loads to wait for; 0 for an open-ended export (Note [open-ended exports]).
 std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
                                        const std::vector<bool>& is_parameter,
                                        const std::string& payload, uint32_t consumers);

@@ -15,7 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <random>
+#include <optional>
 #include <set>
 #include <thread>
 #include <unordered_map>
@@ -23,6 +23,8 @@
 #include <c10/util/Exception.h>
 
 #include "errors.h"
+#include "names.h"
+#include "fork.h"
 #include "process.h"
 
 #ifndef SYS_pidfd_open
@@ -79,15 +81,14 @@ constexpr int kAnswerSeconds = 10;  // how long a client waits for each reply
 struct Server {
   std::mutex mu;
   std::unordered_map<uint64_t, std::vector<PublishedItem>> published;
-  std::mt19937_64 rng{std::random_device{}()};
   pid_t started_by = 0;  // the pid whose thread serves; another pid (a fork) restarts
+  uint32_t tag = 0;      // the random part of its socket name, Note [fd server name]
+  int listening = -1;    // its socket
   std::atomic<int64_t> served{0}, refused{0};
 };
 
-Server& server() {
-  static Server* s = new Server();  // the thread uses it until the process ends
-  return *s;
-}
+// The thread uses it until the process ends; a forked child has none.
+Server& server() { return *process_state<Server>(); }
 
 std::atomic<int64_t> via_socket{0}, via_pidfd{0}, pidfd_refused{0};
 
@@ -218,27 +219,39 @@ void serve_forever(int listener) {
   }
 }
 
+// A listening socket bound to @name; nothing when another socket holds the name.
+std::optional<UniqueFd> listen_on(const std::string& name) {
+  UniqueFd fd(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (fd.get() < 0) throw_os_error("socket(AF_UNIX, SOCK_SEQPACKET)", "for the fd server");
+  socklen_t len;
+  sockaddr_un addr = address_of(name, &len);
+  if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+    if (errno == EADDRINUSE) return std::nullopt;
+    throw_os_error("bind", "of the fd server on @" + name);
+  }
+  if (listen(fd.get(), 128) != 0) throw_os_error("listen", "of the fd server on @" + name);
+  return fd;
+}
+
+// Note [fd server name]
+// The server's abstract socket name has a random part (Note [names]), drawn
+// again while the name is taken. Consumers find it in the export id, whose
+// high half is that part and whose low half is random per id: the VMM handle
+// field carries the id already, so the wire format did not change.
 // Called with s.mu held.
 void ensure_server(Server& s) {
   if (s.started_by == getpid()) return;
   // A fork inherits the parent's table but not its thread, and has another name.
   s.published.clear();
-  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw_os_error("socket(AF_UNIX, SOCK_SEQPACKET)", "for the fd server");
-  socklen_t len;
-  const std::string name = fd_socket_name(self_process());
-  sockaddr_un addr = address_of(name, &len);
-  const char* failed = bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 ? "bind"
-                       : listen(fd, 128) != 0                                  ? "listen"
-                                                                               : nullptr;
-  if (failed != nullptr) {
-    const int err = errno;
-    ::close(fd);
-    throw os_error(err, failed, "of the fd server on @" + name,
-                   err == EADDRINUSE ? "(another process holds this process's socket name)" : "");
-  }
-  std::thread(serve_forever, fd).detach();  // lives as long as the process
+  std::optional<UniqueFd> listener =
+      create_under_random_name("the fd server's socket", [&](uint64_t r) {
+        s.tag = static_cast<uint32_t>(r);
+        return listen_on(fd_socket_name(self_process(), s.tag));
+      });
+  s.listening = listener->get();
+  std::thread(serve_forever, listener->release()).detach();  // lives as long as the process
   s.started_by = getpid();
+  s.listening = fd;
 }
 
 int pidfd_open(pid_t pid) { return static_cast<int>(syscall(SYS_pidfd_open, pid, 0)); }
@@ -301,7 +314,7 @@ std::vector<ReceivedItem> fetch_socket(const ProcessId& owner, uint64_t id) {
   if (int err = set_timeouts(sock.get(), kAnswerSeconds, kAnswerSeconds))
     throw os_error(err, "setsockopt(SO_RCVTIMEO/SO_SNDTIMEO)", "of the fd socket");
   socklen_t len;
-  std::string name = fd_socket_name(owner);
+  std::string name = fd_socket_name(owner, static_cast<uint32_t>(id >> 32));
   sockaddr_un addr = address_of(name, &len);
   int rc;
   do rc = connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), len);
@@ -430,8 +443,12 @@ FdTransport fd_transport_from_env() {
   TORCH_CHECK(false, "torch_ipc: TORCH_IPC_FD_TRANSPORT must be auto, socket or pidfd, not '", v, "'");
 }
 
-std::string fd_socket_name(const ProcessId& p) {
-  return "torch_ipc." + std::to_string(p.pid) + "." + std::to_string(p.start_time) + ".fd";
+// The child closes its copy of the parent's listening socket (a child that
+// outlives its parent would keep the parent's name bound, unserved) and
+// serves nothing of the parent's: Note [fork].
+void fd_server_forget_after_fork() {
+  if (server().listening >= 0) ::close(server().listening);
+  forget_after_fork<Server>();
 }
 
 uint64_t fd_publish(const std::vector<PublishedItem>& items) {
@@ -439,7 +456,8 @@ uint64_t fd_publish(const std::vector<PublishedItem>& items) {
   std::lock_guard<std::mutex> lock(s.mu);
   ensure_server(s);
   uint64_t id = 0;
-  while (id == 0 || s.published.count(id)) id = s.rng();
+  while (static_cast<uint32_t>(id) == 0 || s.published.count(id))
+    id = uint64_t{s.tag} << 32 | static_cast<uint32_t>(os_random64());
   s.published.emplace(id, items);
   return id;
 }

@@ -55,14 +55,12 @@ enum class FdTransport : uint8_t { Auto, Socket, Pidfd };
 FdTransport fd_transport_from_env();
 
 // ---- producer side
-// Publish `items` under a fresh random 64-bit id (never 0) and start this
-// process's server on first use. The caller keeps the fds open and owns them
+// Publish `items` under a fresh random 64-bit id (never 0; its high half
+// names the server, Note [fd server name]) and start this process's server
+// on first use. The caller keeps the fds open and owns them
 // until fd_unpublish(id) returns; the server sends duplicates.
 uint64_t fd_publish(const std::vector<PublishedItem>& items);
 void fd_unpublish(uint64_t id) noexcept;
-
-// The abstract socket name (without its leading NUL byte) of process p.
-std::string fd_socket_name(const ProcessId& p);
 
 // ---- consumer side
 // The items `owner` published under `id`. `remote_fds`: the owner's own fd

@@ -1,40 +1,51 @@
 #include "host_memory.h"
 
-#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <set>
 
 #include <c10/core/CPUAllocator.h>
 
+#include "names.h"
+#include "fork.h"
 #include "process.h"
+#include "refcount.h"
 
 namespace torch_ipc {
 namespace {
 
-std::atomic<uint32_t> next_segment{0};
-
 // The DataPtr context of a storage moved into shared memory by this process.
 struct OwnedHostSegment;
-std::mutex live_mutex;
-std::set<OwnedHostSegment*>* live = new std::set<OwnedHostSegment*>();
+struct LiveSegments {
+  std::mutex mu;
+  std::set<OwnedHostSegment*> segments;
+};
+LiveSegments& live() { return *process_state<LiveSegments>(); }
 
 struct OwnedHostSegment {
   std::unique_ptr<ShmMapping> shm;
+  MadeHere made;
   OwnedHostSegment(std::unique_ptr<ShmMapping> m) : shm(std::move(m)) {
-    std::lock_guard<std::mutex> lock(live_mutex);
-    live->insert(this);
+    std::lock_guard<std::mutex> lock(live().mu);
+    live().segments.insert(this);
   }
   ~OwnedHostSegment() {
-    if (in_forked_child()) shm->disown();  // the parent's name, Note [fork]
-    std::lock_guard<std::mutex> lock(live_mutex);
-    live->erase(this);
+    if (made.inherited()) {  // the parent's name, in a forked child (Note [fork])
+      shm->disown();
+      return;
+    }
+    std::lock_guard<std::mutex> lock(live().mu);
+    live().segments.erase(this);
   }
 };
 
 void delete_owned_host_segment(void* ctx) { delete static_cast<OwnedHostSegment*>(ctx); }
 
 }  // namespace
+
+bool is_host_shared(const c10::Storage& storage) {
+  return storage.data_ptr().get_deleter() == &delete_owned_host_segment;
+}
 
 HostSegment ensure_host_shared(const c10::Storage& storage) {
   const c10::DataPtr& current = storage.data_ptr();
@@ -43,9 +54,10 @@ HostSegment ensure_host_shared(const c10::Storage& storage) {
     return {seg->shm->name(), seg->shm->size()};
   }
   size_t nbytes = storage.nbytes();
-  static std::once_flag swept;
-  std::call_once(swept, sweep_stale_shm);
-  auto shm = ShmMapping::create(shm_name(self_process(), 'H', next_segment++), nbytes);
+  const uint32_t anchor = lease_anchor_segment();  // made first: Note [sweep]
+  auto shm = create_under_random_name("a host segment", [&](uint64_t r) {
+    return ShmMapping::create(host_segment_name(self_process(), anchor, r), nbytes);
+  });
   std::memcpy(shm->data(), current.get(), nbytes);
   HostSegment out{shm->name(), nbytes};
   void* data = shm->data();
@@ -61,13 +73,16 @@ std::shared_ptr<ShmMapping> open_host_segment(const std::string& name, size_t mi
 }
 
 int host_segment_count() {
-  std::lock_guard<std::mutex> lock(live_mutex);
-  return static_cast<int>(live->size());
+  std::lock_guard<std::mutex> lock(live().mu);
+  return static_cast<int>(live().segments.size());
 }
 
 void host_unlink_all() {
-  std::lock_guard<std::mutex> lock(live_mutex);
-  for (OwnedHostSegment* seg : *live) seg->shm->unlink();
+  std::lock_guard<std::mutex> lock(live().mu);
+  for (OwnedHostSegment* seg : live().segments) seg->shm->unlink();
 }
+
+// The parent's segments are not the child's to unlink at its exit.
+void host_forget_after_fork() { forget_after_fork<LiveSegments>(); }
 
 }  // namespace torch_ipc

@@ -20,6 +20,8 @@ struct HostSegment {
   size_t size;
 };
 HostSegment ensure_host_shared(const c10::Storage& storage);
+// True when ensure_host_shared moved this storage already.
+bool is_host_shared(const c10::Storage& storage);
 
 // Map another process's object. Returns nullptr when the name is gone.
 std::shared_ptr<ShmMapping> open_host_segment(const std::string& name, size_t min_size);

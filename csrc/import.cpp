@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cctype>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -17,7 +16,9 @@
 #include "cuda_driver.h"
 #include "errors.h"
 #include "events.h"
+#include "fork.h"
 #include "host_memory.h"
+#include "names.h"
 #include "process.h"
 #include "refcount.h"
 #include "registry.h"
@@ -34,6 +35,7 @@ struct Mapping {
   std::shared_ptr<void> host;  // the ShmMapping for host memory
   std::shared_ptr<void> vmm;   // the VmmMapping for CudaVmm (unmaps when dropped)
   int64_t idle_since_ns = 0;   // set by collect() when no tensor uses it
+  MadeHere made;               // a forked child leaves its parent's mappings alone
   ~Mapping();
 };
 
@@ -79,10 +81,8 @@ struct Consumer {
   const int64_t max_idle = env_int("TORCH_IPC_IDLE_MAPPINGS", 1024);
 };
 
-Consumer& consumer() {
-  static Consumer* c = new Consumer();  // used by deleters during interpreter exit
-  return *c;
-}
+// A forked child starts with no hold, mapping or pending release (Note [fork]).
+Consumer& consumer() { return *process_state<Consumer>(); }
 
 // Whether processes live, each asked of /proc once per load or collection.
 class Liveness {
@@ -135,20 +135,15 @@ bool release_ready(const PendingRelease& p) {
 
 // ---------------------------------------------------------------- mapping
 
-// "/torch_ipc.<pid>.<start>.H<n>" and nothing else: a handle is never a path.
+// A host segment's name (Note [names]) and nothing else: a handle is never a path.
 std::string host_name(const Handle64& h) {
   size_t n = 0;
   while (n < h.size() && h[n] != 0) ++n;
   for (size_t i = n; i < h.size(); ++i)
     if (h[i] != 0) throw DescriptorError("malformed torch_ipc descriptor: bytes after a shared memory name");
   std::string name(reinterpret_cast<const char*>(h.data()), n);
-  unsigned pid = 0, segment = 0;
-  unsigned long long start = 0;
-  int used = 0;
-  bool ok = std::sscanf(name.c_str(), "/torch_ipc.%u.%llu.H%u%n", &pid, &start, &segment, &used) == 3 &&
-            used == static_cast<int>(n);
-  for (char ch : name) ok = ok && (std::isdigit(static_cast<unsigned char>(ch)) || std::strchr("/torch_ipc.H", ch));
-  if (!ok) throw DescriptorError("malformed torch_ipc descriptor: bad shared memory name");
+  auto parsed = n > 0 && name[0] == '/' ? parse_shared_file_name(name.substr(1)) : std::nullopt;
+  if (!parsed || parsed->lease) throw DescriptorError("malformed torch_ipc descriptor: bad shared memory name");
   return name;
 }
 
@@ -264,7 +259,7 @@ std::vector<std::shared_ptr<Hold>> take_holds(Consumer& c, const Descriptor& d, 
       holds[i] = std::make_shared<Hold>();
       holds[i]->lease = l;
     }
-    if (forwarded) lease_remove_deliveries(l, d.producer.pid, 1);
+    if (forwarded && !(d.flags & kOpenEnded)) lease_remove_deliveries(l, d.producer.pid, 1);
   }
   return holds;
 }
@@ -357,8 +352,10 @@ void build_tensors(const Descriptor& d, const std::vector<c10::Storage>& storage
 
 }  // namespace
 
+void imports_forget_after_fork() { forget_after_fork<Consumer>(); }
+
 Mapping::~Mapping() {
-  if (in_forked_child()) {  // CUDA is unusable here, and the mapping is the parent's
+  if (made.inherited()) {  // CUDA is unusable here, and the mapping is the parent's
     new std::shared_ptr<void>(std::move(vmm));
     return;
   }
@@ -379,7 +376,7 @@ Mapping::~Mapping() {
 // of each device it used and is finished by collect_imports() once those
 // events completed; the host never waits.
 Hold::~Hold() {
-  if (in_forked_child()) {  // the hold is the parent's to release
+  if (made.inherited()) {  // the hold is the parent's to release
     new std::vector<std::shared_ptr<Mapping>>(std::move(mappings));
     return;
   }
@@ -411,7 +408,6 @@ Hold::~Hold() {
 }
 
 ImportResult import_tensors(const std::string& data) {
-  check_not_forked();
   Consumer& c = consumer();
   Liveness alive;
   Descriptor d = decode_and_check(data, alive);
@@ -428,7 +424,6 @@ ImportResult import_tensors(const std::string& data) {
 }
 
 void collect_imports(bool close_idle) {
-  if (in_forked_child()) return;
   Consumer& c = consumer();
   std::vector<std::shared_ptr<Mapping>> closing;  // closed after the lock
   Liveness alive;
@@ -474,7 +469,6 @@ void collect_imports(bool close_idle) {
 }
 
 void flush_imports() {
-  if (in_forked_child()) return;
   Consumer& c = consumer();
   std::lock_guard<std::recursive_mutex> lock(c.mu);
   for (auto& p : c.pending) {

@@ -7,6 +7,7 @@
 #include "cuda_context.h"
 #include "cuda_driver.h"
 #include "errors.h"
+#include "fork.h"
 #include "process.h"
 
 namespace torch_ipc {
@@ -35,10 +36,8 @@ struct OwnEvents {
   std::map<Handle64, std::weak_ptr<OpenedEvent>> by_handle;
 };
 
-OwnEvents& own_events() {
-  static OwnEvents* o = new OwnEvents();  // outlives static destructors
-  return *o;
-}
+// A forked child starts with none (Note [fork]).
+OwnEvents& own_events() { return *process_state<OwnEvents>(); }
 
 [[noreturn]] void malformed(const std::string& what) {
   throw DescriptorError("malformed torch_ipc.IpcEvent state: " + what);
@@ -63,8 +62,9 @@ State parse_state(const std::string& bytes) {
 
 }  // namespace
 
+void ipc_events_forget_after_fork() { forget_after_fork<OwnEvents>(); }
+
 IpcEvent::IpcEvent(int device) {
-  check_not_forked();
   ScopedContext scope(device);
   auto event = std::make_shared<OpenedEvent>();
   event->device = device;
@@ -81,7 +81,6 @@ IpcEvent::IpcEvent(int device) {
 
 std::shared_ptr<IpcEvent> IpcEvent::from_state(const std::string& bytes) {
   const State s = parse_state(bytes);
-  check_not_forked();
   Handle64 handle;
   std::memcpy(handle.data(), s.handle, 64);
   Uuid uuid;

@@ -10,6 +10,7 @@
 
 #include "cuda_context.h"
 #include "cuda_driver.h"
+#include "fork.h"
 #include "host_memory.h"
 #include "vmm.h"
 
@@ -42,10 +43,7 @@ struct Locations {
   std::unordered_map<unsigned long long, Segment> segments;  // by BUFFER_ID
 };
 
-Locations& locations() {
-  static Locations* l = new Locations();  // outlives static destructors
-  return *l;
-}
+Locations& locations() { return *process_state<Locations>(); }
 
 const Location* cached(Locations& l, const c10::Storage& storage) {
   const c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
@@ -125,6 +123,8 @@ void locate_new_cuda(Locations& l, const std::vector<c10::Storage>& storages) {
 }
 
 }  // namespace
+
+void locations_forget_after_fork() { forget_after_fork<Locations>(); }
 
 std::vector<Location> locate_own(const std::vector<c10::Storage>& storages) {
   Locations& l = locations();

@@ -1,6 +1,5 @@
 #include "process.h"
 
-#include <dirent.h>
 #include <poll.h>
 #include <sys/syscall.h>
 #include <signal.h>
@@ -81,19 +80,17 @@ Uuid read_boot_id() {
 
 }  // namespace
 
-const ProcessId& self_process() {
-  static const ProcessId self{static_cast<uint32_t>(getpid()),
-                              start_time_of(static_cast<uint32_t>(getpid()))};
+namespace {
+ProcessId& identity() {
+  static ProcessId self{static_cast<uint32_t>(getpid()), start_time_of(static_cast<uint32_t>(getpid()))};
   return self;
 }
+}  // namespace
 
-bool in_forked_child() { return static_cast<uint32_t>(getpid()) != self_process().pid; }
+const ProcessId& self_process() { return identity(); }
 
-void check_not_forked() {
-  // A usage error (how the process was started), so TORCH_CHECK: a RuntimeError.
-  TORCH_CHECK(!in_forked_child(),
-              "torch_ipc cannot be used in a process forked from one that used it: it would act in "
-              "its parent's name. Start worker processes with the 'spawn' method.");
+void reset_identity_after_fork() {
+  identity() = ProcessId{static_cast<uint32_t>(getpid()), start_time_of(static_cast<uint32_t>(getpid()))};
 }
 
 const Uuid& boot_id() {
@@ -113,14 +110,18 @@ bool pid_alive(uint32_t pid) {
 // each time costs ~10 us. The first check of a process reads /proc once and
 // opens a pidfd, which becomes readable when that very process exits, so
 // later checks are one poll() and a recycled pid can never pass.
+namespace {
+std::mutex pidfds_mu;
+// (pid, start time) -> an open pidfd of that process; never destroyed (used at exit).
+auto* pidfds = new std::map<std::pair<uint32_t, uint64_t>, int>();
+}  // namespace
+
 bool process_alive(const ProcessId& p) {
   if (p.pid == 0) return false;
-  static std::mutex mu;
-  static std::map<std::pair<uint32_t, uint64_t>, int> pidfds;
   auto key = std::make_pair(p.pid, p.start_time);
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = pidfds.find(key);
-  if (it == pidfds.end()) {
+  std::lock_guard<std::mutex> lock(pidfds_mu);
+  auto it = pidfds->find(key);
+  if (it == pidfds->end()) {
     if (start_time_of(p.pid) != p.start_time) return false;
     int fd = static_cast<int>(syscall(SYS_pidfd_open, p.pid, 0));
     if (fd < 0) return true;  // no pidfd here: /proc said alive
@@ -128,7 +129,7 @@ bool process_alive(const ProcessId& p) {
       close(fd);
       return false;
     }
-    it = pidfds.emplace(key, fd).first;
+    it = pidfds->emplace(key, fd).first;
   }
   pollfd pfd{it->second, POLLIN, 0};
   const int ready = poll(&pfd, 1, 0);
@@ -136,28 +137,21 @@ bool process_alive(const ProcessId& p) {
   // poll failed (EINTR, ENOMEM): that says nothing about the process; ask /proc.
   if (ready < 0) return start_time_of(p.pid) == p.start_time;
   close(it->second);
-  pidfds.erase(it);
+  pidfds->erase(it);
   return false;
 }
 
-std::string shm_name(const ProcessId& p, char tag, uint32_t n) {
-  char name[96];
-  std::snprintf(name, sizeof(name), "/torch_ipc.%u.%llu.%c%u", p.pid,
-                static_cast<unsigned long long>(p.start_time), tag, n);
-  return name;
-}
-
-void sweep_stale_shm() {
-  DIR* dir = opendir("/dev/shm");
-  if (dir == nullptr) return;
-  while (dirent* entry = readdir(dir)) {
-    unsigned pid = 0;
-    unsigned long long start = 0;
-    if (std::sscanf(entry->d_name, "torch_ipc.%u.%llu.", &pid, &start) != 2) continue;
-    if (process_alive(ProcessId{pid, start})) continue;
-    shm_unlink((std::string("/") + entry->d_name).c_str());
+void forget_exited_processes() {
+  std::lock_guard<std::mutex> lock(pidfds_mu);
+  for (auto it = pidfds->begin(); it != pidfds->end();) {
+    pollfd pfd{it->second, POLLIN, 0};
+    if (poll(&pfd, 1, 0) > 0) {  // readable: that process has exited
+      close(it->second);
+      it = pidfds->erase(it);
+    } else {
+      ++it;
+    }
   }
-  closedir(dir);
 }
 
 }  // namespace torch_ipc

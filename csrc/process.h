@@ -2,6 +2,8 @@
 // process still lives, and whether a descriptor comes from this machine's boot.
 #pragma once
 
+#include <unistd.h>
+
 #include <string>
 
 #include "descriptor.h"
@@ -9,18 +11,30 @@
 namespace torch_ipc {
 
 // This process: pid and start time (clock ticks after boot, /proc/self/stat).
+// A forked child has its own from the moment it is forked (Note [fork]).
 const ProcessId& self_process();
 
 // Note [fork]
-// A child forked from a process that used torch_ipc inherits its identity,
-// lease slots, segment names and fd server socket name, none of which it may
-// use: it would write descriptors in its parent's name and release its
-// parent's holds. Such a child cannot use CUDA either. So it refuses to
-// export or import (start processes with 'spawn'), and the deleters of what it
-// inherited do nothing.
-bool in_forked_child();
-// Throws a RuntimeError saying to use spawn, in a forked child.
-void check_not_forked();
+// Fork is how DataLoader and Pool start workers, so a forked child must work.
+// It takes an identity of its own as it is forked (fork.cpp, pthread_atfork):
+// its own pid and start time, hence its own lease segments, shared memory
+// names and fd server name, and it starts with none of its parent's exports,
+// holds, mappings, events or fd server. What it inherited (tensors on its
+// parent's memory, the parent's holds and mappings, the parent's segment
+// names) stays the parent's: when it dies in the child it releases, closes
+// and unlinks nothing (MadeHere). CUDA cannot be used in a forked child
+// (torch's own rule), so CUDA calls there raise torch's error.
+class MadeHere {
+ public:
+  // True in a forked child, for what its parent made.
+  bool inherited() const { return pid_ != getpid(); }
+
+ private:
+  pid_t pid_ = getpid();
+};
+
+// The child's half of Note [fork]: take this process's own identity.
+void reset_identity_after_fork();
 
 // The kernel's boot id (/proc/sys/kernel/random/boot_id): differs between
 // machines and between boots of one machine.
@@ -33,11 +47,9 @@ bool process_alive(const ProcessId& p);
 // Only the pid, for holder slots that store 32 bits: kill(pid, 0).
 bool pid_alive(uint32_t pid);
 
-// Name of a POSIX shared memory object of process p: "/torch_ipc.<pid>.<start>.<tag><n>".
-std::string shm_name(const ProcessId& p, char tag, uint32_t n);
-
-// Unlink /dev/shm/torch_ipc.* objects whose process is gone (left by a killed
-// producer). Called once, when this process creates its first segment.
-void sweep_stale_shm();
+// Close the pidfds process_alive() keeps for processes that have exited
+// since (the collector calls it; process_alive() alone closes a pidfd only
+// when asked about that process again).
+void forget_exited_processes();
 
 }  // namespace torch_ipc

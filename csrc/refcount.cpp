@@ -11,8 +11,11 @@
 #include <c10/util/Exception.h>
 
 #include "errors.h"
+#include "names.h"
+#include "fork.h"
 #include "process.h"
 #include "shm.h"
+#include "sweep.h"
 
 namespace torch_ipc {
 namespace {
@@ -39,10 +42,8 @@ uint32_t holder_count(uint64_t w) { return static_cast<uint32_t>(w); }
 
 class Leases {
  public:
-  static Leases& get() {
-    static Leases* instance = new Leases();  // never destroyed: used by deleters at exit
-    return *instance;
-  }
+  // A forked child starts with no segment (the parent's stay linked: Note [fork]).
+  static Leases& get() { return *process_state<Leases>(); }
 
   LeaseRecord acquire(uint32_t tokens) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -76,7 +77,7 @@ class Leases {
     auto key = std::make_tuple(lease.owner.pid, lease.owner.start_time, lease.segment);
     auto it = foreign_.find(key);
     if (it == foreign_.end()) {
-      const std::string name = shm_name(lease.owner, 'L', lease.segment);
+      const std::string name = lease_segment_name(lease.owner, lease.segment);
       auto mapping = ShmMapping::open(name, kSegmentBytes);
       if (!mapping) {
         if (!process_alive(lease.owner))
@@ -115,16 +116,36 @@ class Leases {
     return static_cast<int>(own_.size() + foreign_.size());
   }
 
+  uint32_t anchor() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (own_.empty()) grow();
+    return anchor_;
+  }
+
+  // In a forked child, before anything else runs (so without the mutex a
+  // parent's thread may have held): the child's copies of the parent's
+  // anchors must not keep the parent's OFD locks alive (Note [sweep]).
+  void disown_after_fork() {
+    for (auto& [n, m] : own_) m->disown();
+  }
+
  private:
   static Slot* slot_in(ShmMapping* m, uint32_t index) {
     return static_cast<Slot*>(m->data()) + index;
   }
 
+  // Each segment has a random id (Note [names]) and is an anchor (Note [sweep]).
   void grow() {
     if (own_.empty()) sweep_stale_shm();
-    uint32_t segment = static_cast<uint32_t>(own_.size());
-    auto mapping = ShmMapping::create(shm_name(self_process(), 'L', segment), kSegmentBytes);
+    uint32_t segment = 0;
+    auto mapping = create_under_random_name("a lease segment", [&](uint64_t r) {
+      segment = static_cast<uint32_t>(r);
+      return own_.count(segment) ? nullptr
+                                 : ShmMapping::create(lease_segment_name(self_process(), segment),
+                                                      kSegmentBytes, /*anchor=*/true);
+    });
     for (uint32_t i = kSlotsPerSegment; i-- > 0;) free_.emplace_back(segment, i);
+    if (own_.empty()) anchor_ = segment;
     own_.emplace(segment, std::move(mapping));
   }
 
@@ -133,6 +154,7 @@ class Leases {
   std::map<std::tuple<uint32_t, uint64_t, uint32_t>, std::unique_ptr<ShmMapping>> foreign_;
   std::vector<std::pair<uint32_t, uint32_t>> free_;
   uint64_t next_generation_ = 0;
+  uint32_t anchor_ = 0;  // the first own segment: the anchor of host segments
 };
 
 // Add n holds for `pid`; false when all holder words are taken.
@@ -182,7 +204,8 @@ bool has_living_holder(Slot* s) {
   throw Released("torch_ipc: this export was already released by its producer (pid " +
                  std::to_string(lease.owner.pid) +
                  "): every consumer it was sent to has loaded and released it. "
-                 "Pass consumers=N to dumps() to share one descriptor with N loads.");
+                 "Pass consumers=N to dumps() to share one descriptor with N loads, or "
+                 "consumers=None for any number of loads while the producer keeps the tensors.");
 }
 
 // Register n holds under `holder` (a pid, or a forwarder's delivery word),
@@ -287,8 +310,14 @@ void lease_take_token(const LeaseRecord& lease, bool take) {
   if (take) take_one_token(s);
 }
 
+void leases_forget_after_fork() {
+  Leases::get().disown_after_fork();
+  forget_after_fork<Leases>();
+}
+
 void lease_unlink_own_segments() { Leases::get().unlink_own(); }
 void lease_drop_dead_segments() { Leases::get().drop_dead_foreign(); }
 int lease_segment_count() { return Leases::get().count(); }
+uint32_t lease_anchor_segment() { return Leases::get().anchor(); }
 
 }  // namespace torch_ipc

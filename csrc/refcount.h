@@ -70,5 +70,8 @@ void lease_unlink_own_segments();
 // Unmap the lease segments of producers that have exited.
 void lease_drop_dead_segments();
 int lease_segment_count();
+// The id of this process's first lease segment (made now if there is none):
+// the anchor its host segments name (Note [sweep] in sweep.h).
+uint32_t lease_anchor_segment();
 
 }  // namespace torch_ipc

@@ -1,8 +1,11 @@
 #include "registry.h"
 
+#include "fork.h"
+
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <unordered_map>
 
 namespace torch_ipc {
 namespace {
@@ -23,10 +26,9 @@ struct Exports {
   std::map<LeaseKey, std::unique_ptr<ExportRecord>> records;
 };
 
-Exports& exports() {
-  static Exports* e = new Exports();  // outlives static destructors
-  return *e;
-}
+// A forked child starts with no record, leaking the parent's: their storages
+// are the parent's to free (Note [fork]).
+Exports& exports() { return *process_state<Exports>(); }
 
 }  // namespace
 
@@ -41,6 +43,8 @@ std::optional<ImportedOrigin> imported_origin(const c10::Storage& storage) {
   const auto* ctx = static_cast<const ImportedStorage*>(storage.data_ptr().get_context());
   return ImportedOrigin{ctx->where, ctx->hold->lease};
 }
+
+void exports_forget_after_fork() { forget_after_fork<Exports>(); }
 
 void register_export(std::unique_ptr<ExportRecord> record) {
   Exports& e = exports();
@@ -71,13 +75,42 @@ std::optional<c10::Storage> find_exported_storage(const LeaseRecord& lease, cons
   return std::nullopt;
 }
 
+namespace {
+
+// Note [open-ended exports] in export.cpp: how many references the records
+// hold on each storage that an open-ended record holds: the rest of a storage's references are the producer's own.
+std::unordered_map<const c10::StorageImpl*, size_t> references_of_records(const Exports& e) {
+  std::unordered_map<const c10::StorageImpl*, size_t> refs;
+  for (auto& [key, r] : e.records)
+    if (r->open_ended)
+      for (const c10::Storage& s : r->storages) refs[s.unsafeGetStorageImpl()] = 0;
+  if (refs.empty()) return refs;
+  for (auto& [key, r] : e.records)
+    for (const c10::Storage& s : r->storages) {
+      auto it = refs.find(s.unsafeGetStorageImpl());
+      if (it != refs.end()) ++it->second;
+    }
+  return refs;
+}
+
+bool held_outside(const ExportRecord& r,
+                  const std::unordered_map<const c10::StorageImpl*, size_t>& refs_of_records) {
+  for (const c10::Storage& s : r.storages)
+    if (s.use_count() > refs_of_records.at(s.unsafeGetStorageImpl())) return true;
+  return false;
+}
+
+}  // namespace
+
 int drop_exports(const std::function<bool(const ExportRecord&)>& reclaim) {
   Exports& e = exports();
   std::vector<std::unique_ptr<ExportRecord>> dropped;
   {
     std::lock_guard<std::mutex> lock(e.mu);
+    const auto refs_of_records = references_of_records(e);
     for (auto it = e.records.begin(); it != e.records.end();) {
-      if (reclaim(*it->second)) {
+      const ExportRecord& r = *it->second;
+      if (!(r.open_ended && held_outside(r, refs_of_records)) && reclaim(r)) {
         dropped.push_back(std::move(it->second));
         it = e.records.erase(it);
       } else {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "descriptor.h"
+#include "process.h"
 
 namespace torch_ipc {
 
@@ -41,6 +42,7 @@ struct Mapping;
 struct Hold {
   LeaseRecord lease;
   std::vector<std::shared_ptr<Mapping>> mappings;
+  MadeHere made;  // a forked child leaves its parent's holds alone
   ~Hold();
 };
 
@@ -59,6 +61,7 @@ std::optional<ImportedOrigin> imported_origin(const c10::Storage& storage);
 // consumer released them, and where each lives. Keyed by its lease.
 struct ExportRecord {
   LeaseRecord lease;
+  bool open_ended = false;  // Note [open-ended exports] in export.cpp
   std::vector<c10::Storage> storages;
   std::vector<Location> locations;  // parallel to storages
   uint64_t bytes = 0;
@@ -71,7 +74,9 @@ bool export_is_live(const LeaseRecord& lease);
 std::optional<c10::Storage> find_exported_storage(const LeaseRecord& lease, const Location& where,
                                                   uint64_t nbytes);
 // Drop the records `reclaim` returns true for (outside the lock, so storages
-// die without it). Returns how many were dropped.
+// die without it). Open-ended records whose storages something outside the
+// registry still references are kept without asking. Returns how many were
+// dropped.
 int drop_exports(const std::function<bool(const ExportRecord&)>& reclaim);
 // Visit every live record (under the lock: `visit` must not call back here).
 void for_each_export(const std::function<void(const ExportRecord&)>& visit);

@@ -28,8 +28,9 @@ struct PoolAllocation {
   CUmemGenericAllocationHandle handle = 0;
   CUdeviceptr va = 0;
   bool created = false, reserved = false, mapped = false;
+  MadeHere made;
   ~PoolAllocation() {
-    if (in_forked_child()) return;  // the parent's memory; CUDA is unusable here (Note [fork])
+    if (made.inherited()) return;  // the parent's memory; CUDA is unusable here (Note [fork])
     try {
       ScopedContext scope(device);
       // Note [pool frees synchronize]: cuMemUnmap does not wait for kernels

@@ -10,9 +10,14 @@ namespace torch_ipc {
 
 class ShmMapping {
  public:
-  // Create a new object of `size` bytes. Throws OsError with the failing
-  // call's errno (EEXIST when the name exists, EMFILE, ENOMEM, ...).
-  static std::unique_ptr<ShmMapping> create(const std::string& name, size_t size);
+  // Create a new object of `size` bytes, its memory reserved (Note [reserving
+  // shared memory]). Returns nullptr when the name exists (pick another);
+  // throws OsError with the failing call's errno otherwise (ENOSPC when
+  // /dev/shm is too small, naming its size and free space; EMFILE, ...), and
+  // leaves no file behind. An `anchor` keeps its file open with an OFD lock
+  // for as long as it lives: the proof that its owner lives (Note [sweep]).
+  static std::unique_ptr<ShmMapping> create(const std::string& name, size_t size,
+                                            bool anchor = false);
   // Open an existing object; at least `min_size` bytes must be there. Returns
   // nullptr when no object has that name (its owner unlinked it); throws
   // DescriptorError when it is smaller (the size came from a descriptor), and
@@ -27,17 +32,19 @@ class ShmMapping {
   const std::string& name() const { return name_; }
   // Remove the name; existing mappings stay valid. Idempotent.
   void unlink();
-  // Forget the name without removing it (a forked child must not remove its
-  // parent's names, Note [fork]).
-  void disown() { linked_ = false; }
+  // Forget the name without removing it, and drop the lock of an anchor (a
+  // forked child must not remove its parent's names nor keep them alive after
+  // the parent, Note [fork]).
+  void disown();
 
  private:
-  ShmMapping(std::string name, void* data, size_t size, bool owner)
-      : name_(std::move(name)), data_(data), size_(size), linked_(owner) {}
+  ShmMapping(std::string name, void* data, size_t size, bool owner, int lock_fd = -1)
+      : name_(std::move(name)), data_(data), size_(size), linked_(owner), lock_fd_(lock_fd) {}
   std::string name_;
   void* data_;
   size_t size_;
   bool linked_;
+  int lock_fd_;  // an anchor's open file, holding its OFD lock; -1 otherwise
 };
 
 }  // namespace torch_ipc

@@ -19,6 +19,7 @@
 
 #include "cuda_context.h"
 #include "cuda_driver.h"
+#include "fork.h"
 #include "fd_passing.h"
 #include "shared_pool.h"
 #include "vmm_handle.h"
@@ -89,10 +90,7 @@ struct Exporter {
   std::map<std::vector<const Chunk*>, std::shared_ptr<Group>> groups;
 };
 
-Exporter& exporter() {
-  static Exporter* e = new Exporter();  // outlives static destructors
-  return *e;
-}
+Exporter& exporter() { return *process_state<Exporter>(); }
 
 // Called with e.mu held; what dies is moved to `dropped`, destroyed after the lock.
 void sweep(Exporter& e, std::vector<std::shared_ptr<Group>>& dropped) {
@@ -268,6 +266,14 @@ std::vector<Location> locate_vmm(const std::vector<c10::Storage>& storages, int 
     i = j;
   }
   return out;
+}
+
+// The child closes its copies of the parent's fds (they would keep the
+// memory after the parent freed it) and leaks the rest: CUDA is unusable here.
+void vmm_forget_after_fork() {
+  for (auto& [id, weak] : exporter().chunks)
+    if (auto chunk = weak.lock()) chunk->fd.reset();
+  forget_after_fork<Exporter>();
 }
 
 int vmm_collect() {

@@ -348,7 +348,7 @@ def malformed_cases(data: bytes, seed: int, same_process: bool = False) -> List[
     ]
     for version in (0, 1, 3, 0x100, 0xFFFF):
         cases.append((f"version {version}", patch(data, 4, "<H", version), DE))
-    for flag in (4, 0x100, 0x8000):
+    for flag in (8, 0x100, 0x8000):  # 4: open-ended (dumps(consumers=None))
         cases.append((f"unknown flag {flag:#x}", patch(data, 6, "<H", d["flags"] | flag), DE))
     for total in (n - 1, n + 1, 0, 64, 0xFFFFFFFF):
         cases.append((f"length field says {total}", patch(data, 8, "<I", total), DE))

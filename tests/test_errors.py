@@ -34,11 +34,13 @@ def _who():
 
 
 def _publish_and_unpublish():
-    """Start this process's fd server, then publish nothing."""
+    """Start this process's fd server, then publish nothing; returns who it is
+    and the id it published once."""
     fd = os.memfd_create("torch_ipc-test", os.MFD_CLOEXEC)
     _STATE.setdefault("fds", []).append(fd)
-    _C._testing.fd_unpublish(_C._testing.fd_publish([fd], [0]))
-    return _C._testing.fd_self()
+    ident = _C._testing.fd_publish([fd], [0])
+    _C._testing.fd_unpublish(ident)
+    return _C._testing.fd_self(), ident
 
 
 def _publish(payload: bytes):
@@ -64,7 +66,7 @@ def _serve_script(replies):
     "silent" never answers."""
     pid, start = _C._testing.fd_self()
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    s.bind("\0" + _C._testing.fd_socket_name(pid, start))
+    s.bind("\0" + _C._testing.fd_socket_name(pid, start, 1))  # the server of export id 1
     s.listen(8)
     _STATE["script"] = s
 
@@ -97,9 +99,14 @@ def _dumps_cpu(consumers: int = 1) -> bytes:
     return torch_ipc.dumps(t, consumers=consumers)
 
 
-def _shm_path(tag: str, n: int = 0) -> str:
-    pid, start = _C._testing.fd_self()
-    return f"/dev/shm/torch_ipc.{pid}.{start}.{tag}{n}"
+def _shm_path(tag: str, pid: int = 0, start: int = 0) -> str:
+    """The one /dev/shm file of kind `tag` (L: lease, H: host) of a process
+    (this one by default), whatever the random part of its name."""
+    if not pid:
+        pid, start = _C._testing.fd_self()
+    prefix = f"torch_ipc.{pid}.{start}.{tag}"
+    [name] = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    return "/dev/shm/" + name
 
 
 def _unlink_own(tag: str) -> str:
@@ -108,11 +115,14 @@ def _unlink_own(tag: str) -> str:
     return path
 
 
-def _dumps_over_a_taken_name():
-    """Take the name this process's first host segment would get, then export."""
-    path = _shm_path("H")
+def _dumps_when_every_name_is_taken():
+    """Take the names this process will draw next (every attempt), then export."""
+    pid, start = _C._testing.fd_self()
+    taken = 0x5EA5E0005EA5E000
+    path = f"/dev/shm/torch_ipc.{pid}.{start}.L{taken & 0xFFFFFFFF:08x}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     os.close(fd)
+    _C._testing.queue_random([taken] * 16)
     try:
         _dumps_cpu()
     except OSError as e:
@@ -125,8 +135,7 @@ def _dumps_over_a_taken_name():
 def _fill_holders(pid: int, start: int) -> int:
     """Take every holder word of every live lease slot of process pid (as if
     14 other processes held its exports). Returns how many slots were filled."""
-    path = f"/dev/shm/torch_ipc.{pid}.{start}.L0"
-    fd = os.open(path, os.O_RDWR)
+    fd = os.open(_shm_path("L", pid, start), os.O_RDWR)
     try:
         m = mmap.mmap(fd, SLOT_BYTES * SLOTS)
     finally:
@@ -157,8 +166,9 @@ def peer():
 
 
 def test_unknown_id_of_a_live_server_is_released(peer):
-    owner = peer.call(_publish_and_unpublish)  # its server runs, publishes nothing
-    for ident in (1, 2**64 - 1):
+    owner, published = peer.call(_publish_and_unpublish)  # its server runs, publishes nothing
+    server = published >> 32 << 32  # ids of that server (Note [fd server name])
+    for ident in (published, server | 1, server | 0xFFFFFFFF):
         with pytest.raises(torch_ipc.ReleasedError, match=r"no longer shares this memory"):
             _fetch(owner, ident)
 
@@ -195,14 +205,14 @@ def test_name_held_by_another_process(peer):
     # A living producer whose socket name another process holds: EPROTO.
     with Peer(timeout=60) as owner_peer:
         owner = owner_peer.call(_who)
-        squatter = peer.call(_listen_on, _C._testing.fd_socket_name(*owner))
+        squatter = peer.call(_listen_on, _C._testing.fd_socket_name(*owner, 1))
         with pytest.raises(OSError, match=f"served by pid {squatter}, not by the producer") as info:
             _fetch(owner, 1)
         assert info.value.errno == errno.EPROTO
     # A producer that has exited (here: one that never was): ProducerGone.
     me, _ = _C._testing.fd_self()
     fake = (me, 1)
-    squatter = peer.call(_listen_on, _C._testing.fd_socket_name(*fake))
+    squatter = peer.call(_listen_on, _C._testing.fd_socket_name(*fake, 1))
     with pytest.raises(torch_ipc.ProducerGoneError, match=rf"pid {me}\) has exited; .*served by pid {squatter}"):
         _fetch(fake, 1)
 
@@ -242,9 +252,9 @@ def test_a_server_that_never_answers_is_a_timeout(peer):
 
 
 def test_shm_failure_is_an_os_error_with_errno():
-    name, code, message = run_in_subprocess(_dumps_over_a_taken_name, timeout=60)
+    name, code, message = run_in_subprocess(_dumps_when_every_name_is_taken, timeout=60)
     assert (name, code) == ("FileExistsError", errno.EEXIST), message
-    assert "shm_open" in message and "/torch_ipc." in message
+    assert "16 random names for a lease segment" in message and "/dev/shm" in message, message
 
 
 def test_missing_host_segment_of_a_live_producer_is_released(peer):

@@ -76,11 +76,11 @@ def _impostor(name):
     return os.getpid()
 
 
-def _send_garbage(owner):
+def _send_garbage(owner, ident):
     pid, start = owner
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.settimeout(10)
-    s.connect("\0" + _C._testing.fd_socket_name(pid, start))
+    s.connect("\0" + _C._testing.fd_socket_name(pid, start, ident))
     s.send(b"not a request")
     reply = s.recv(4096)
     s.close()
@@ -192,7 +192,7 @@ def test_server_pid_must_match_the_producer(producer):
     # process with a made-up start time) is not the producer.
     me, _ = _C._testing.fd_self()
     fake = (me, 1)
-    impostor_pid = producer.call(_impostor, _C._testing.fd_socket_name(*fake))
+    impostor_pid = producer.call(_impostor, _C._testing.fd_socket_name(*fake, 1))
     with pytest.raises(torch_ipc.ProducerGoneError, match=f"served by pid {impostor_pid}, not by the producer"):
         _fetch(fake, 1, mode="socket")
 
@@ -200,7 +200,7 @@ def test_server_pid_must_match_the_producer(producer):
 def test_malformed_request_is_refused_and_server_keeps_serving(producer):
     pid, start, ident, _ = producer.call(_publish, [b"still here"])
     refused = producer.call(_stats)["fd_refused"]
-    reply = _send_garbage((pid, start))
+    reply = _send_garbage((pid, start), ident)
     assert reply[:4] == b"TIFR" and int.from_bytes(reply[4:8], "little", signed=True) != 0
     assert _fetch((pid, start), ident, mode="socket") == [(b"still here", 10)]
     assert producer.call(_stats)["fd_refused"] == refused + 1
@@ -214,6 +214,7 @@ def test_no_fd_leaks_on_either_side():
         # Warm up: the server thread, and the pidfd that process_alive() caches per producer.
         _fetch((pid, start), ident, mode="socket")
         _fetch((pid, start), ident, fds, mode="auto")
+        _C.sweep()  # closes now the pidfds of processes of earlier tests, as the collector would
         theirs, ours = producer.call(_fd_count), _fd_count()
         for i in range(200):
             mode = "socket" if i % 2 else "auto"

@@ -1,7 +1,7 @@
 """Lifetime across three processes (a tensor passed on by the process that
-received it) and the refusal of a forked child, on host memory so that it runs
-everywhere; the same code paths serve CUDA memory."""
-import multiprocessing as mp
+received it) and a forked child leaving its parent's segments alone, on host
+memory so that it runs everywhere; the same code paths serve CUDA memory.
+Forked children as workers: test_dropin.py."""
 import os
 import time
 
@@ -96,46 +96,6 @@ def test_forwarded_delivery_is_given_back_if_the_relay_dies_first():
         assert key.live
         relay.kill()
     assert _wait_live([key], []), "the relay's pending delivery pinned the export"
-
-
-def _fork_child(conn, data):
-    import torch_ipc
-
-    out = []
-    for call in (lambda: torch_ipc.dumps(torch.ones(2)), lambda: torch_ipc.loads(data)):
-        try:
-            call()
-            out.append("ok")
-        except RuntimeError as e:
-            out.append(str(e))
-    conn.send(out)
-    conn.close()
-    os._exit(0)
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_forked_child_refuses_and_leaves_the_parent_alone():
-    x = torch.randn(8)
-    key = _export(x, consumers=2)
-    d = key.data
-    ctx = mp.get_context("fork")
-    a, b = ctx.Pipe()
-    p = ctx.Process(target=_fork_child, args=(b, d))
-    p.start()
-    try:
-        assert a.poll(TIMEOUT)
-        out = a.recv()
-        p.join(TIMEOUT)
-    finally:
-        if p.is_alive():
-            p.kill()
-    assert all("spawn" in msg for msg in out), out
-    assert key.live
-    with Peer(timeout=TIMEOUT) as consumer:  # the parent's export is intact and loadable
-        consumer.call(u.load, "x", d)
-        assert consumer.call(u.held_fingerprint, "x") == u.fingerprint(x)
-    y = torch_ipc.dumps(torch.ones(3))  # and the parent can still export
-    assert torch.equal(torch_ipc.loads(y), torch.ones(3))
 
 
 def _relay_and_keep(d):

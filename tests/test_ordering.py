@@ -90,6 +90,22 @@ def test_consumer_never_reads_before_the_producers_write(consumer, finished_befo
 
 
 @pytest.mark.cuda
+def test_an_export_carries_an_event_only_while_its_stream_has_work():
+    """Note [ordering without waiting]: no GPU command (and no consumer wait)
+    when the writes landed already; one event while they are in flight."""
+    x = torch.zeros(1024, device="cuda")
+    torch.cuda.synchronize()
+    idle = torch_ipc.dumps(x)
+    assert torch_ipc._C.describe(idle)["n_events"] == 0
+    _busy(0.1)
+    x.fill_(1)
+    busy = torch_ipc.dumps(x)
+    assert torch_ipc._C.describe(busy)["n_events"] == 1
+    for data in (idle, busy):
+        assert torch_ipc.loads(data)[0].item() == 1  # loaded here, after the fill
+
+
+@pytest.mark.cuda
 def test_pooled_events_rerecorded_on_another_stream(consumer):
     """Note [event pool]: an export made behind slow work on stream A, then more
     exports than the pool has events on an idle stream B. A pool shared by the

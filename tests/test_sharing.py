@@ -522,3 +522,61 @@ def test_consumer_that_sees_only_the_second_gpu(pair, device):
     with Peer(timeout=180, env={"CUDA_VISIBLE_DEVICES": uuids[0]}) as blind:
         err = blind.call(u.try_load, data)
         assert err[0] == "DeviceNotFoundError", err
+
+
+def _export_one_on(device: str, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    u.HELD["one"] = {"x": u.random_tensor((1000,), torch.float32, gen, device)}
+    return torch_ipc.dumps(u.HELD["one"]), u.fingerprint(u.HELD["one"])
+
+
+@CUDA_ONLY
+@pytest.mark.gpus(2)
+def test_reversed_indices_and_a_consumer_that_sees_only_the_second_gpu(pair, device):
+    producer, _ = pair
+    uuids = producer.call(_uuids)
+    data, expected = producer.call(_export_one_on, "cuda:1", u.new_seed())
+    for visible in ("1,0", uuids[1]):  # reversed by index; only the second GPU, by UUID
+        with Peer(timeout=180, env={"CUDA_VISIBLE_DEVICES": visible}) as consumer:
+            assert consumer.call(u.load, "one", data) == expected, visible
+            assert consumer.call(_tensor_device, "one", "x") == "cuda:0", visible
+            written = consumer.call(_write_tensor, "one", "x", u.new_seed())
+            assert producer.call(_tensor_bits, "one", "x") == written, visible
+
+
+def _export_behind_slow_work_on_two_gpus(seed: int, n: int, seconds: float):
+    """On each GPU: `seconds` of GPU work, then a write; export both at once (no sync)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors, wants = {}, {}
+    for device in ("cuda:0", "cuda:1"):
+        src_host = u.random_tensor((n,), torch.float32, gen)
+        wants[device] = u.digest(src_host)
+        with torch.cuda.device(device):
+            src = src_host.to(device)
+            x = torch.zeros(n, device=device)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(u.gpu_cycles_per_second() * seconds))
+            x.copy_(src)
+        tensors[device] = x
+    u.HELD["slow2"] = tensors
+    data = torch_ipc.dumps(tensors)
+    busy = all(not torch.cuda.current_stream(d).query() for d in tensors)
+    return data, wants, busy
+
+
+def _digests_after_load(data: bytes):
+    obj = torch_ipc.loads(data)
+    u.HELD["slow2"] = obj
+    return {device: u.digest(t) for device, t in obj.items()}
+
+
+@CUDA_ONLY
+@pytest.mark.gpus(2)
+def test_events_of_two_gpus_in_one_message(pair, device):
+    """One message, tensors written behind slow work on two GPUs: the consumer's
+    stream on each GPU waits on that GPU's export event."""
+    producer, consumer = pair
+    data, wants, busy = producer.call(_export_behind_slow_work_on_two_gpus, u.new_seed(), 4 << 20, 2.0)
+    got = consumer.call(_digests_after_load, data)
+    assert busy, "a producer stream had finished before the export: the test proves nothing"
+    assert got == wants, "the consumer read a GPU's tensor before its write ran"

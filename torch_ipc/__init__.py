@@ -16,7 +16,7 @@ except ImportError as e:
     raise extension_import_error(e) from e
 from ._reductions import init_reductions, reductions, restore_reductions
 from ._serialize import dumps, loads
-from .connection import Connection, Listener, connect, listen
+from .connection import Client, Connection, Listener, connect, listen
 from .errors import (
     CudaError,
     CudaUnavailableError,
@@ -28,6 +28,7 @@ from .errors import (
 )
 from .ipc_event import IpcEvent
 from .pool import SharedPool
+from . import weights  # torch_ipc.weights.Publisher / Subscriber
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,7 @@ __all__ = [
     "restore_reductions",
     "reductions",
     "Listener",
+    "Client",
     "Connection",
     "listen",
     "connect",

@@ -10,21 +10,42 @@ Messages without tensors are pickled once, exactly as before (the pickler that
 looks for tensors is a ForkingPickler, so its output is what multiprocessing
 would have sent). Per-type reducers are
 installed too, for code that pickles with a ForkingPickler instance directly.
+
+Note [torch never sees our storages]
+torch's reducers cannot send a storage that torch_ipc made or mapped: a CUDA
+one fails inside ``_share_cuda_()`` ("invalid device pointer"), a CPU one
+would be moved into torch's shared memory, away from the memory other
+processes map. So from the moment torch_ipc is imported (which loading
+anything from it does), torch's tensor and storage reducers are wrapped:
+what torch_ipc owns or mapped goes through torch_ipc (one descriptor per
+tensor), everything else to torch exactly as before. A relay that received
+tensors and forwards them through its own Queue or Pipe needs no
+init_reductions() of its own.
+
+Note [spawned children inherit the reductions]
+init_reductions() puts a marker in multiprocessing's process config, which
+every new Process copies and which a child started with 'spawn' or
+'forkserver' unpickles before its target runs: unpickling it turns the
+reductions on in the child (and its children in turn). A forked child
+inherits them with the rest of its parent's memory.
 """
 
 import contextlib
+import multiprocessing.process
 import pickle
 from multiprocessing.reduction import ForkingPickler
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
-from . import _serialize
+from . import _C, _serialize
 
 __all__ = ["init_reductions", "restore_reductions", "reductions"]
 
-_REDUCED_TYPES = (torch.Tensor, torch.nn.Parameter, torch.UntypedStorage)
+_STORAGE_TYPES = (torch.UntypedStorage, torch.storage.TypedStorage, *torch._storage_classes)
+_REDUCED_TYPES = tuple(dict.fromkeys((torch.Tensor, torch.nn.Parameter, *_STORAGE_TYPES)))
 _saved = None  # (original dumps, {type: original reducer or None})
+_CONFIG_KEY = "torch_ipc.reductions"
 
 
 def _rebuild(descriptor: bytes):
@@ -48,16 +69,65 @@ def _reduce_one(obj):
 
 
 def _dumps(cls, obj, protocol=None):
-    tensors, parameters, payload = _serialize.split(obj)
-    if not tensors:  # pickled exactly as multiprocessing would, already
-        return _serialize.plain_pickle(payload)
-    descriptor = _serialize.export(tensors, parameters, payload).data
+    parts = _serialize.split(obj, protocol=protocol)  # without tensors: as multiprocessing pickles it
+    if not parts[0]:  # pickled exactly as multiprocessing would, already
+        return _serialize.plain_pickle(parts[2])
+    descriptor = _serialize.export_object(obj, parts).data
     return memoryview(pickle.dumps(_Message(descriptor), pickle.HIGHEST_PROTOCOL))
+
+
+def _tensor_view(obj) -> Optional[torch.Tensor]:
+    """A tensor on the storage of ``obj`` (a tensor, or a storage), to ask C++ about."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, torch.storage.TypedStorage):
+        obj = obj._untyped_storage
+    if isinstance(obj, torch.UntypedStorage):
+        return torch.empty(0, dtype=torch.uint8, device=obj.device).set_(obj)
+    return None
+
+
+def _guarded(torch_reducer: Optional[Callable]) -> Callable:
+    """torch's reducer for what torch_ipc does not own (Note [torch never sees our storages])."""
+
+    def reduce(obj):
+        t = _tensor_view(obj)
+        if t is not None and _C.is_torch_ipc_storage(t):
+            return _reduce_one(obj)
+        if torch_reducer is None:
+            return obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return torch_reducer(obj)
+
+    reduce.torch_reducer = torch_reducer
+    return reduce
+
+
+def _install_guards() -> None:
+    import torch.multiprocessing  # noqa: F401  (registers torch's reducers first, to wrap them)
+
+    for t in _REDUCED_TYPES:
+        reducer = ForkingPickler._extra_reducers.get(t)
+        if getattr(reducer, "torch_reducer", False) is False:  # not wrapped yet
+            ForkingPickler.register(t, _guarded(reducer))
+
+
+class _InheritReductions:
+    """The marker of Note [spawned children inherit the reductions]."""
+
+    def __reduce__(self):
+        return (_inherit, ())
+
+
+def _inherit() -> _InheritReductions:
+    init_reductions()
+    return _InheritReductions()
 
 
 def init_reductions() -> None:
     """Make multiprocessing (and torch.multiprocessing) carry tensors through
-    torch_ipc. Idempotent; undo with :func:`restore_reductions`.
+    torch_ipc. Idempotent; undo with :func:`restore_reductions`. Children
+    started afterwards have them on too (Note [spawned children inherit the
+    reductions]).
 
     Example::
 
@@ -67,13 +137,13 @@ def init_reductions() -> None:
     global _saved
     if _saved is not None:
         return
-    import torch.multiprocessing  # noqa: F401  (registers torch's reducers first, to save them)
-
+    _install_guards()
     originals = {t: ForkingPickler._extra_reducers.get(t) for t in _REDUCED_TYPES}
     _saved = (ForkingPickler.__dict__["dumps"], originals)
     ForkingPickler.dumps = classmethod(_dumps)
     for t in _REDUCED_TYPES:
         ForkingPickler.register(t, _reduce_one)
+    multiprocessing.process.current_process()._config[_CONFIG_KEY] = _InheritReductions()
 
 
 def restore_reductions() -> None:
@@ -82,6 +152,7 @@ def restore_reductions() -> None:
     if _saved is None:
         return
     dumps, originals = _saved
+    multiprocessing.process.current_process()._config.pop(_CONFIG_KEY, None)
     ForkingPickler.dumps = dumps
     for t, reducer in originals.items():
         if reducer is None:
@@ -101,3 +172,6 @@ def reductions() -> Iterator[None]:
     finally:
         if not was_installed:
             restore_reductions()
+
+
+_install_guards()

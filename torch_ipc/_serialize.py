@@ -1,15 +1,23 @@
 """dumps/loads: a Python object holding tensors <-> one torch_ipc descriptor.
 
-The object is pickled with every tensor (and UntypedStorage) replaced by its
-index in a list; the list goes to the C++ exporter and the pickle rides along
-as the descriptor's payload. So any picklable object works: a tensor, a
-state_dict, nested dicts/lists/tuples, dataclasses holding tensors.
+The object is pickled with every tensor (and UntypedStorage, TypedStorage)
+replaced by its index in a list; the list goes to the C++ exporter and the
+pickle rides along as the descriptor's payload. So any picklable object works:
+a tensor, a state_dict, nested dicts/lists/tuples, dataclasses holding tensors.
+
+Note [tensors torch_ipc does not share itself]
+As torch.multiprocessing does: a meta tensor travels as its shape, strides and
+dtype (torch's own reducer); a sparse tensor (COO, CSR, CSC, BSR, BSC) as its
+index and value tensors, which torch_ipc shares, rebuilt around them on the
+other side; any other layout raises a TypeError that names it. A non-leaf
+tensor that requires grad is refused with torch's own message.
 """
 
 import io
+import os
 import pickle
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 
@@ -20,31 +28,77 @@ __all__ = ["dumps", "loads"]
 
 _TENSOR = 0
 _STORAGE = 1
+_TYPED_STORAGE = 2
 _HAS_CUDA = 1  # header flag bit (byte 6) of a descriptor
 
 
 class _Pickler(ForkingPickler):
     # A ForkingPickler, so that what else the message holds (connections, file
     # descriptors) pickles as multiprocessing would pickle it.
-    def __init__(self, file, tensors: List[torch.Tensor], parameters: List[bool]):
-        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+    def __init__(self, file, tensors: List[torch.Tensor], parameters: List[bool], protocol=pickle.HIGHEST_PROTOCOL):
+        super().__init__(file, protocol)
         self._tensors = tensors
         self._parameters = parameters
 
+        # What persistent_id leaves to pickling (Note [tensors torch_ipc does
+        # not share itself]), never to the reducers init_reductions installs.
+        self.dispatch_table[torch.Tensor] = _reduce_unshared_tensor
+        self.dispatch_table[torch.nn.Parameter] = _reduce_unshared_tensor
+
     def persistent_id(self, obj):
         if isinstance(obj, torch.Tensor):
-            kind = _TENSOR
-            tensor = obj
+            if not _shared_natively(obj):
+                return None
+            kind, tensor, extra = _TENSOR, obj, ()
         elif isinstance(obj, torch.UntypedStorage):
-            kind = _STORAGE
+            if obj.device.type == "meta":
+                return None  # torch's reducer says why it cannot be sent
+            kind, extra = _STORAGE, ()
             tensor = torch.empty(0, dtype=torch.uint8, device=obj.device).set_(obj)
+        elif isinstance(obj, torch.TypedStorage):
+            untyped = obj._untyped_storage
+            if untyped.device.type == "meta":
+                return None
+            kind, extra = _TYPED_STORAGE, (obj.dtype,)
+            tensor = torch.empty(0, dtype=torch.uint8, device=untyped.device).set_(untyped)
         else:
             return None
         if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
             raise TypeError(f"torch_ipc shares torch.Tensor and nn.Parameter, not {type(tensor).__name__}")
         self._tensors.append(tensor)
         self._parameters.append(type(tensor) is torch.nn.Parameter)
-        return (kind, len(self._tensors) - 1)
+        return (kind, len(self._tensors) - 1, *extra)
+
+
+def _shared_natively(t: torch.Tensor) -> bool:
+    return t.layout is torch.strided and not t.is_meta
+
+
+def _reduce_unshared_tensor(t: torch.Tensor):
+    """Pickle a tensor that persistent_id left alone: meta and sparse ones."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if t.is_meta or (t.requires_grad and not t.is_leaf):
+        return reduce_tensor(t)  # torch's: shape only, or torch's refusal
+    if t.layout is torch.sparse_coo:
+        parts = (t._indices().detach(), t._values().detach())
+        return (_rebuild_sparse, (t.layout, parts, t.shape, t.is_coalesced(), t.requires_grad))
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (t.crow_indices(), t.col_indices(), t.values().detach())
+    elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = (t.ccol_indices(), t.row_indices(), t.values().detach())
+    else:
+        raise TypeError(f"torch_ipc cannot share tensors of layout {t.layout}; convert them first (to_dense())")
+    return (_rebuild_sparse, (t.layout, parts, t.shape, False, t.requires_grad))
+
+
+def _rebuild_sparse(layout, parts, shape, coalesced, requires_grad):
+    # Indices come from another process: checked, as a corrupt one would read out of bounds.
+    if layout is torch.sparse_coo:
+        t = torch.sparse_coo_tensor(*parts, shape, is_coalesced=coalesced, check_invariants=True)
+    else:
+        t = torch.sparse_compressed_tensor(*parts, shape, layout=layout, check_invariants=True)
+    return t.requires_grad_(requires_grad)
 
 
 class _Unpickler(pickle.Unpickler):
@@ -54,9 +108,12 @@ class _Unpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):
         try:
-            kind, index = pid
+            kind, index, *extra = pid
             tensor = self._tensors[index]
-        except (TypeError, ValueError, IndexError):
+            if kind == _TYPED_STORAGE:
+                (dtype,) = extra
+                return torch.TypedStorage(wrap_storage=tensor.untyped_storage(), dtype=dtype, _internal=True)
+        except (TypeError, ValueError, IndexError, RuntimeError):
             raise pickle.UnpicklingError(f"torch_ipc: bad tensor reference {pid!r}") from None
         return tensor.untyped_storage() if kind == _STORAGE else tensor
 
@@ -97,13 +154,31 @@ def _flat(obj):
     return None, None, None
 
 
-def dumps(obj: Any, *, consumers: int = 1, isolated: bool = False) -> bytes:
+# Note [consumers=None]
+# consumers=N keeps an export until N loads happened and every loader
+# released it, even when the producer dropped its tensors right after
+# sending: ``q.put(x * 2)`` must work, and it is what torch.multiprocessing
+# does for each message. consumers=None instead keeps an export as long as the
+# producer references its tensors or a reader holds what it loaded, for any
+# number of readers (a descriptor in a file, as with a raw CUDA IPC handle).
+# It is not the default because a temporary sent with it is reclaimed before
+# anybody loads it, and because an export per message of a long-lived tensor
+# (weights resent each step) would then live, with its lease slot, as long as
+# the tensor: dumps it once and hand the same bytes to every reader.
+
+
+def dumps(obj: Any, *, consumers: Optional[int] = 1, isolated: bool = False) -> bytes:
     """Export ``obj`` and every tensor in it; return a descriptor (bytes).
 
     CUDA tensors are shared zero-copy through CUDA IPC; CPU tensors are moved
     (once, in place, as ``share_memory_()`` does) into shared memory. The
     producer keeps every exported storage alive until ``consumers`` loads have
     happened and every process that loaded it has released it (or died).
+
+    ``consumers=None``: any number of processes may load it, for as long as
+    this process references the tensors in ``obj`` or some reader holds what
+    it loaded; then it is reclaimed (Note [consumers=None]). Not with
+    ``isolated=True`` (the copies would be referenced by nobody).
 
     ``isolated=True`` COPIES every CUDA tensor that is not already a
     :class:`torch_ipc.SharedPool` tensor into an allocation of its own first,
@@ -120,19 +195,37 @@ def dumps(obj: Any, *, consumers: int = 1, isolated: bool = False) -> bytes:
         >>> torch_ipc.loads(data)["x"].data_ptr() == x.data_ptr()
         True
     """
-    if consumers < 1:
-        raise ValueError("consumers must be at least 1")
-    return export(*split(obj), consumers=consumers, isolated=isolated).data
+    return export_object(obj, consumers=consumers, isolated=isolated).data
 
 
-def split(obj: Any):
-    """(tensors, is_parameter, payload): the tensors in ``obj`` and the rest."""
-    tensors, parameters, payload = _flat(obj)
+def export_object(obj: Any, parts=None, *, consumers: Optional[int] = 1, isolated: bool = False) -> "_C.Export":
+    """Split (or take ``parts``, what :func:`split` returned for ``obj``) and
+    export. A fast-path split that met a tensor torch_ipc does not share
+    itself (meta, sparse) is redone through the pickler."""
+    if consumers is None:
+        if isolated:
+            raise ValueError("torch_ipc: consumers=None cannot be combined with isolated=True")
+        consumers = 0  # open-ended (Note [open-ended exports] in csrc/export.cpp)
+    elif type(consumers) is not int or consumers < 1:
+        raise ValueError(f"consumers must be None or an int of at least 1, not {consumers!r}")
+    tensors, parameters, payload = parts if parts is not None else split(obj)
+    try:
+        return export(tensors, parameters, payload, consumers=consumers, isolated=isolated)
+    except RuntimeError:
+        if payload[:1] == _PICKLED or all(map(_shared_natively, tensors)):
+            raise
+    return export(*split(obj, fast=False), consumers=consumers, isolated=isolated)
+
+
+def split(obj: Any, *, fast: bool = True, protocol=pickle.HIGHEST_PROTOCOL):
+    """(tensors, is_parameter, payload): the tensors in ``obj`` and the rest
+    (pickled with ``protocol`` where the fast paths do not apply)."""
+    tensors, parameters, payload = _flat(obj) if fast else (None, None, None)
     if payload is None:
         tensors, parameters = [], []
         buf = io.BytesIO()
         buf.write(_PICKLED)
-        _Pickler(buf, tensors, parameters).dump(obj)
+        _Pickler(buf, tensors, parameters, protocol).dump(obj)
         payload = buf.getvalue()
     return tensors, parameters, payload
 
@@ -156,10 +249,20 @@ def export(tensors, parameters, payload: bytes, *, consumers: int = 1, isolated:
 _cuda_ready = False
 
 
+def _forget_cuda_after_fork() -> None:
+    global _cuda_ready
+    _cuda_ready = False  # a forked child asks torch again, which refuses (Note [fork])
+
+
+os.register_at_fork(after_in_child=_forget_cuda_after_fork)
+
+
 def _ensure_cuda() -> None:
     global _cuda_ready
     if _cuda_ready:
         return
+    if torch.cuda._is_in_bad_fork():
+        torch.cuda.init()  # raises torch's own error: no CUDA after fork (Note [fork])
     if not torch.cuda.is_available():
         ok, why = _C.cuda_available()
         raise CudaUnavailableError(

@@ -19,7 +19,7 @@ from typing import Any, List, Optional, Tuple, Union
 
 from . import _C, _runtime, _serialize
 
-__all__ = ["Listener", "Connection", "listen", "connect"]
+__all__ = ["Listener", "Client", "Connection", "listen", "connect"]
 
 Address = Union[str, tuple]
 
@@ -94,7 +94,7 @@ class Connection:
 
     def send(self, obj: Any) -> None:
         """Export ``obj`` (tensors zero-copy) and send it as one message."""
-        sent = _serialize.export(*_serialize.split(obj))
+        sent = _serialize.export_object(obj)
         if sent.live:  # it holds tensors of ours or forwarded ones
             self._sent.append(sent)
             if len(self._sent) % _PRUNE_EVERY == 0:
@@ -187,7 +187,14 @@ class Listener:
         ...     conn = listener.accept(); conn.send(torch.ones(3, device="cuda"))
     """
 
-    def __init__(self, address: Optional[Address] = None, *, authkey: Optional[bytes] = None, backlog: int = 16):
+    def __init__(
+        self,
+        address: Optional[Address] = None,
+        family: Optional[str] = None,
+        *,
+        authkey: Optional[bytes] = None,
+        backlog: int = 16,
+    ):
         generated = authkey is None
         if generated:
             authkey = secrets.token_hex(16).encode()
@@ -195,7 +202,7 @@ class Listener:
             raise TypeError("authkey must be non-empty bytes")
         self.authkey = authkey
         try:
-            self._listener = mpc.Listener(address, backlog=backlog, authkey=authkey)
+            self._listener = mpc.Listener(address, family, backlog=backlog, authkey=authkey)
         except OSError as e:
             raise _with_address(e, f"cannot listen at {address!r}", "pick a free address") from None
         if generated:
@@ -238,16 +245,29 @@ def listen(address: Optional[Address] = None, *, authkey: Optional[bytes] = None
     return Listener(address, authkey=authkey)
 
 
-def connect(address: Address, *, authkey: bytes) -> Connection:
-    """Connect to a :class:`Listener`. A wrong ``authkey`` raises
-    :class:`multiprocessing.AuthenticationError` and nothing is received."""
+def Client(address: Address, family: Optional[str] = None, authkey: Optional[bytes] = None) -> Connection:
+    """Connect to a :class:`Listener`; the signature of
+    ``multiprocessing.connection.Client``, except that ``authkey`` is required
+    (bytes; there is no process-wide default). A wrong ``authkey`` raises
+    :class:`multiprocessing.AuthenticationError` and nothing is received.
+
+    Example::
+
+        >>> with torch_ipc.Client(address, authkey=b"secret") as conn:  # doctest: +SKIP
+        ...     y = conn.recv()
+    """
     if not isinstance(authkey, bytes) or not authkey:
-        raise TypeError("authkey must be non-empty bytes")
+        raise TypeError("torch_ipc.Client: authkey must be non-empty bytes (it is required)")
     try:
-        conn = mpc.Client(address, authkey=authkey)
+        conn = mpc.Client(address, family, authkey=authkey)
     except AuthenticationError as e:
         raise AuthenticationError(f"torch_ipc: the listener at {address!r} refused this authkey ({e})") from None
     except OSError as e:
         raise _with_address(e, f"cannot connect to {address!r}",
                             "start the listener first, or check the address") from None
     return Connection(conn, _exchange_pids(conn))
+
+
+def connect(address: Address, *, authkey: bytes) -> Connection:
+    """``Client(address, authkey=authkey)``."""
+    return Client(address, authkey=authkey)

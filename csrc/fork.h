@@ -1,0 +1,38 @@
+// A forked child's fresh start (Note [fork] in process.h): the handler that
+// pthread_atfork runs in the child, and the hook of each piece of per-process
+// state that it calls. A hook runs in the child alone, before anything else:
+// it replaces its state with an empty one and leaks the parent's (whose mutex
+// another thread of the parent may have held), touching neither the parent's
+// leases nor CUDA.
+#pragma once
+
+namespace torch_ipc {
+
+// The one instance of a piece of per-process state: created on first use,
+// never destroyed (deleters use it during interpreter exit), replaced by a
+// fresh one in a forked child (forget_after_fork<T>(), leaking the parent's).
+template <class T>
+T*& process_state() {
+  static T* state = new T();
+  return state;
+}
+template <class T>
+void forget_after_fork() {
+  process_state<T>() = new T();
+}
+
+// Registers the handler, once; called when the module loads.
+void install_fork_handler();
+
+void leases_forget_after_fork();      // refcount.cpp: own lease segments
+void exports_forget_after_fork();     // registry.cpp: live exports
+void imports_forget_after_fork();     // import.cpp: holds, pending releases, mappings
+void host_forget_after_fork();        // host_memory.cpp: own shared memory segments
+void events_forget_after_fork();      // events.cpp: event pools and opened events
+void ipc_events_forget_after_fork();  // ipc_event.cpp: IpcEvents this process made
+void locations_forget_after_fork();   // locate.cpp: cached locations
+void vmm_forget_after_fork();         // vmm_export.cpp: published VMM chunks
+void fd_server_forget_after_fork();   // fd_passing.cpp: the fd server and what it serves
+void cuda_forbid_after_fork();        // cuda_driver.cpp: CUDA calls raise torch's error
+
+}  // namespace torch_ipc

@@ -1,0 +1,65 @@
+"""``python -m torch_ipc doctor`` runs on any machine (a CPU-only one too),
+prints its table, and each row says what is true of this machine."""
+import json
+import os
+import resource
+import subprocess
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _doctor(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "torch_ipc", "doctor", *args], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_doctor_rows_are_true_for_this_machine():
+    r = _doctor("--json")
+    assert r.returncode in (0, 1), r.stderr[-3000:]
+    rows = {row["check"]: row for row in json.loads(r.stdout)}
+    assert r.returncode == (1 if any(row["status"] == "FAIL" for row in rows.values()) else 0)
+    for row in rows.values():
+        assert row["status"] in ("ok", "FAIL", "warn", "info"), row
+        assert row["status"] in ("ok", "info") or row["fix"], f"a failing row says no fix: {row}"
+
+    assert torch.__version__ in rows["torch and torch_ipc"]["detail"]
+    gpu = torch.cuda.is_available()
+    assert rows["CUDA driver"]["status"] == ("ok" if gpu else rows["CUDA driver"]["status"])
+    if not gpu:
+        assert rows["CUDA IPC"]["status"] == "info" and "no CUDA" in rows["CUDA IPC"]["detail"]
+        if not (os.path.exists("/dev/nvidia0") or os.path.exists("/proc/driver/nvidia/version")):
+            assert rows["CUDA driver"]["status"] == "info", rows["CUDA driver"]
+    else:
+        for i in range(torch.cuda.device_count()):
+            assert rows[f"CUDA IPC cuda:{i}"]["status"] == "ok", rows[f"CUDA IPC cuda:{i}"]
+
+    st = os.statvfs("/dev/shm")
+    shm = rows["/dev/shm"]
+    free_ok = st.f_bavail * st.f_frsize >= 1 << 30
+    assert (shm["status"] == "ok") == free_ok, shm
+    total = st.f_blocks * st.f_frsize
+    assert f"{total / (1 << 30):.1f} GiB" in shm["detail"] or f"{total / (1 << 20):.1f} MiB" in shm["detail"], shm
+
+    with open("/proc/self/status") as f:
+        nested = len(next(line for line in f if line.startswith("NSpid:")).split()) > 2
+    assert rows["PID namespace"]["status"] == ("warn" if nested else "ok"), rows["PID namespace"]
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert str(soft) in rows["open files"]["detail"] or soft == resource.RLIM_INFINITY
+    assert rows["fd socket"]["status"] == "ok"
+    assert rows["pidfd_getfd"]["status"] in ("ok", "info")
+
+
+def test_doctor_prints_a_table_and_says_how_to_call_it():
+    r = _doctor()
+    assert r.returncode in (0, 1), r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["check", "status", "detail"], lines[:2]
+    assert any(line.startswith("/dev/shm") for line in lines), r.stdout
+    bad = subprocess.run([sys.executable, "-m", "torch_ipc"], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=REPO))  # fmt: skip
+    assert bad.returncode == 2 and "usage: python -m torch_ipc doctor" in bad.stderr

@@ -1,0 +1,17 @@
+"""Share a trainer's weights with inference processes: publish once, pull
+each new version at memory speed.
+
+    >>> # trainer                                  # inference process
+    >>> pub = Publisher(model)                     # doctest: +SKIP
+    >>> pub.attach(conn)                           # sub = Subscriber(conn)  # doctest: +SKIP
+    >>> opt.step(); pub.publish()                  # sub.pull(into=model)    # doctest: +SKIP
+
+See the README section "Sharing weights between a trainer and an inference
+engine" and Note [weights consistency protocol] in _control.py.
+"""
+
+from ._errors import PublisherGoneError, WeightsMismatchError
+from .publisher import Publisher
+from .subscriber import Subscriber
+
+__all__ = ["Publisher", "Subscriber", "PublisherGoneError", "WeightsMismatchError"]

@@ -1,0 +1,115 @@
+"""The control block: int64 counters in shared host memory that the publisher
+and its subscribers read and write with sequentially consistent atomics.
+"""
+
+import os
+import time
+from typing import Callable
+
+import torch
+
+from .. import _C
+
+# Note [weights consistency protocol]
+# A subscriber must never copy a version the publisher is overwriting, and the
+# publisher must not block on the GPU work of its subscribers. The block has:
+#   PUBLISHED  the newest complete version (0: none yet)
+#   WRITING    1 while publish() writes the shared buffer
+#   per subscriber slot r: OWNER (pid), READING (1 while it reads), PULLS,
+#   TAKEN (bucketed mode); and, outside the block, DONE_EVENT[r]: an IpcEvent
+#   the subscriber records after its copies (one per staging half, bucketed)
+# Direct mode, one snapshot buffer:
+#   subscriber: READING[r] = 1; if WRITING: READING[r] = 0, back off, retry;
+#     v = PUBLISHED; its stream waits on the publish event; queue the copies;
+#     record DONE_EVENT[r]; READING[r] = 0.
+#   publisher: WRITING = 1; for each slot: spin while READING[r] (only the
+#     host-side queueing of a pull, or an open view()), then its stream waits
+#     on DONE_EVENT[r]; queue the snapshot copy; record the publish event;
+#     PUBLISHED = v + 1; WRITING = 0.
+# Each side stores its flag and then loads the other's, seq_cst (Dekker), so
+# at least one of them sees the other: a pull either finishes queueing before
+# the publisher writes (and the GPU orders the write after the copy through
+# DONE_EVENT) or sees WRITING and retries. The host never waits for the GPU;
+# the only host wait is the publisher's on a subscriber queueing, microseconds.
+# Bucketed mode streams version v through two staging halves; bucket k of the
+# stream has a global sequence number seq and lives in half seq % 2. The
+# publisher fills seq only after every member took seq - 2 (TAKEN[r] >= seq-2,
+# then its stream waits on that half's DONE_EVENT[r]); members are the slots
+# claimed when the version starts (MEMBERS bitmask, published with
+# STREAM_BASE before the first bucket). publish() returns when every member
+# took the last bucket.
+
+MAGIC_VALUE = 0x7765_6967_6874_7301  # "weights" and layout version 1
+MAGIC, PUBLISHED, WRITING, BUCKET_SEQ, STREAM_BASE, STREAM_VERSION, MEMBERS, PUBLISHER_PID = range(8)
+HEADER = 8
+OWNER, READING, PULLS, TAKEN = range(4)
+SLOT_WORDS = 4
+MAX_SUBSCRIBERS = 62  # MEMBERS is a bitmask in one int64
+
+
+def new_block(max_subscribers: int) -> torch.Tensor:
+    if not 1 <= max_subscribers <= MAX_SUBSCRIBERS:
+        raise ValueError(f"max_subscribers must be in 1..{MAX_SUBSCRIBERS}, not {max_subscribers}")
+    # torch_ipc moves it into shared memory (in place) at the first attach
+    block = torch.zeros(HEADER + SLOT_WORDS * max_subscribers, dtype=torch.int64)
+    block[PUBLISHER_PID] = os.getpid()
+    block[MAGIC] = MAGIC_VALUE
+    return block
+
+
+def slots(block: torch.Tensor) -> int:
+    return (block.numel() - HEADER) // SLOT_WORDS
+
+
+def slot_index(r: int, field: int) -> int:
+    return HEADER + SLOT_WORDS * r + field
+
+
+class Counters:
+    """Atomic access to one control block."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: torch.Tensor):
+        if block.dtype != torch.int64 or block.numel() < HEADER + SLOT_WORDS or int(block[MAGIC]) != MAGIC_VALUE:
+            raise ValueError("torch_ipc.weights: not a weights control block")
+        self.block = block
+
+    def load(self, index: int) -> int:
+        return _C.counter_load(self.block, index)
+
+    def store(self, index: int, value: int) -> None:
+        _C.counter_store(self.block, index, value)
+
+    def compare_exchange(self, index: int, expected: int, desired: int) -> int:
+        return _C.counter_compare_exchange(self.block, index, expected, desired)
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def spin_until(ready: Callable[[], bool], check: Callable[[], None], deadline: float) -> None:
+    """Wait for `ready()`, spinning first then sleeping up to 1 ms; `check()`
+    runs every ~10 ms (it raises when the other side died); TimeoutError after
+    `deadline` (time.monotonic())."""
+    delay, checked = 0.0, time.monotonic()
+    while not ready():
+        now = time.monotonic()
+        if now - checked > 0.01:
+            check()
+            checked = now
+        if now > deadline:
+            check()
+            raise TimeoutError("torch_ipc.weights: timed out waiting for the other side")
+        if delay:
+            time.sleep(delay)
+        delay = min(max(delay * 2, 2e-5), 1e-3)

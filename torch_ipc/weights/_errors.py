@@ -1,0 +1,25 @@
+"""The exceptions of torch_ipc.weights."""
+
+from ..errors import ProducerGoneError
+
+__all__ = ["WeightsMismatchError", "PublisherGoneError"]
+
+
+class WeightsMismatchError(ValueError):
+    """The model does not fit what the publisher publishes. ``problems`` lists
+    every missing name, extra name, shape and dtype mismatch (one per line of
+    the message); nothing was copied."""
+
+    def __init__(self, problems):
+        self.problems = list(problems)
+        super().__init__(
+            "torch_ipc.weights: the model does not match the published weights; nothing was copied:\n  "
+            + "\n  ".join(self.problems)
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.problems,))
+
+
+class PublisherGoneError(ProducerGoneError):
+    """The publishing process exited and no new publisher has attached."""

@@ -1,0 +1,270 @@
+"""Publisher: the trainer's side. Shares its weights once per subscriber, then
+publishes each new version with a few counter stores and one launch."""
+
+import os
+import secrets
+import time
+from typing import Dict, Optional, Union
+
+import torch
+
+from .. import _serialize
+from . import _control as ctl
+from ._copy import BatchedCopy
+from ._events import new_event
+from ._layout import Layout, typed_view
+from ._share import Share, named_tensors, send
+
+__all__ = ["Publisher"]
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+
+class Publisher:
+    """Publish the weights of ``source`` (an ``nn.Module`` or a mapping of
+    tensors, all on one device) to subscribers in other processes.
+
+    Direct mode (default): ``publish()`` copies the tensors into a shared
+    snapshot (one launch on the current stream, no host wait) and announces
+    the new version; subscribers pull from the snapshot while training goes
+    on. Extra memory: one copy of the weights (in ``dtype``, default theirs).
+
+    Bucketed mode (``bucket_bytes=N``): no snapshot; ``publish()`` streams the
+    weights through two shared staging halves of N bytes each and returns
+    when every attached subscriber has taken every bucket (each must be in
+    :meth:`Subscriber.pull` meanwhile). Extra memory: 2 * N.
+
+    The tensors are captured at construction: keep updating them in place
+    (optimizer steps do); a model whose tensors are replaced needs a new
+    Publisher. Call ``publish()`` on the stream that wrote the weights.
+
+    Example::
+
+        >>> pub = torch_ipc.weights.Publisher(model)            # doctest: +SKIP
+        >>> pub.attach(conn)         # once per subscriber      # doctest: +SKIP
+        >>> for batch in data:                                  # doctest: +SKIP
+        ...     train_step(model, batch); pub.publish()
+    """
+
+    def __init__(
+        self,
+        source: Union[torch.nn.Module, Dict[str, torch.Tensor]],
+        *,
+        dtype: Optional[torch.dtype] = None,
+        bucket_bytes: Optional[int] = None,
+        max_subscribers: int = 8,
+        timeout: float = 60.0,
+    ):
+        tensors = named_tensors(source, "the published source")
+        if not tensors:
+            raise ValueError("torch_ipc.weights: nothing to publish (no tensors)")
+        devices = {t.device for t in tensors.values()}
+        if len(devices) != 1:
+            raise ValueError(f"torch_ipc.weights: publish tensors of one device, not {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        if bucket_bytes is not None:
+            bad = [n for n, t in tensors.items() if not t.is_contiguous()]
+            if bad:
+                raise ValueError(f"torch_ipc.weights: bucketed mode needs contiguous tensors; these are not: {bad}")
+        self.timeout = timeout
+        self.layout = Layout.build(
+            [(n, dtype or t.dtype, tuple(t.shape)) for n, t in tensors.items()], bucket_bytes or 0
+        )
+        self._tensors = tensors
+        self._buffer = self._new_buffer(self.layout.buffer_bytes)
+        self._block = ctl.new_block(max_subscribers)
+        self._counters = ctl.Counters(self._block)
+        self._epoch = secrets.randbits(62)
+        self._done: Dict[int, tuple] = {}  # slot -> its subscriber's done events (None on CPU)
+        self.version = 0
+        self._bucket_seq = 0
+        self._closed = False
+        if self.layout.bucket_bytes:
+            self._publish_event = None
+            self._staging_events = (new_event(self.device), new_event(self.device))
+            self._packs: Dict[tuple, BatchedCopy] = {}
+            self._snapshot = None
+        else:
+            self._publish_event = new_event(self.device)
+            self._staging_events = ()
+            self._snapshot = BatchedCopy(
+                [(t, typed_view(self._buffer, e.offset, e.dtype, e.numel).view(t.shape))
+                 for e, t in zip(self.layout.entries, tensors.values())]
+            )
+        self.stats = {"path": self._snapshot.path if self._snapshot else "", "publishes": 0, "last_publish_us": 0.0}
+
+    def _new_buffer(self, nbytes: int) -> torch.Tensor:
+        if self.device.type == "cuda":
+            from ..pool import SharedPool
+
+            # Note [weights in shareable memory]
+            # The buffer is a cuMemCreate allocation of its own: a subscriber
+            # maps exactly it (no neighbour of torch's caching allocator), and
+            # what it mapped stays valid if the trainer dies mid-pull.
+            return SharedPool(self.device).empty((nbytes,), torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    # ---------------------------------------------------------------- attach
+
+    def attach(self, conn) -> int:
+        """Send one subscriber what it needs, once: a torch_ipc
+        :class:`~torch_ipc.Connection`, an end of a ``multiprocessing.Pipe``
+        or a ``multiprocessing`` queue (``put``) all work. The subscriber builds
+        a :class:`Subscriber` from the other end. Returns its slot."""
+        self._check_open()
+        slot = self._free_slot()
+        c = self._counters
+        for field in (ctl.READING, ctl.PULLS):
+            c.store(ctl.slot_index(slot, field), 0)
+        c.store(ctl.slot_index(slot, ctl.TAKEN), self._bucket_seq)
+        c.store(ctl.slot_index(slot, ctl.OWNER), -1)  # reserved until the subscriber claims it
+        # One per staging half in bucketed mode, so that filling a half waits
+        # for the subscriber's copy out of that half only, not of the other.
+        done = tuple(new_event(self.device) for _ in range(2 if self.layout.bucket_bytes else 1))
+        self._done[slot] = done
+        descriptor = _serialize.dumps({"buffer": self._buffer, "control": self._block})
+        send(conn, Share(descriptor, self.layout, slot, os.getpid(), self._epoch,
+                         self._publish_event, self._staging_events, done))
+        return slot
+
+    def _free_slot(self) -> int:
+        c = self._counters
+        for r in range(ctl.slots(self._block)):
+            owner = c.load(ctl.slot_index(r, ctl.OWNER))
+            if owner == 0 or (owner > 0 and not ctl.pid_alive(owner)):
+                self._done.pop(r, None)
+                return r
+        raise RuntimeError(f"torch_ipc.weights: all {ctl.slots(self._block)} subscriber slots are taken "
+                           "(see max_subscribers)")
+
+    def _reap(self, slot: int) -> None:
+        """Forget the subscriber of `slot` if its process died."""
+        c = self._counters
+        owner = c.load(ctl.slot_index(slot, ctl.OWNER))
+        if owner > 0 and not ctl.pid_alive(owner):
+            c.store(ctl.slot_index(slot, ctl.READING), 0)
+            c.store(ctl.slot_index(slot, ctl.OWNER), 0)
+            self._done.pop(slot, None)
+
+    def _wait_slot(self, slot: int, field: int, ready, deadline: float) -> None:
+        index = ctl.slot_index(slot, field)
+        ctl.spin_until(lambda: slot not in self._done or ready(self._counters.load(index)),
+                       lambda: self._reap(slot), deadline)
+
+    # ---------------------------------------------------------------- publish
+
+    def publish(self) -> int:
+        """Make the current values of the tensors the next version; returns
+        its number (1, 2, ...). See Note [weights consistency protocol]."""
+        self._check_open()
+        start = time.perf_counter()
+        deadline = time.monotonic() + self.timeout
+        version = self._publish_bucketed(deadline) if self.layout.bucket_bytes else self._publish_direct(deadline)
+        self.stats["publishes"] += 1
+        self.stats["last_publish_us"] = (time.perf_counter() - start) * 1e6
+        return version
+
+    def _publish_direct(self, deadline: float) -> int:
+        c = self._counters
+        c.store(ctl.WRITING, 1)
+        try:
+            for slot in list(self._done):
+                self._reap(slot)  # a dead subscriber's event may never complete: never wait on it
+                self._wait_slot(slot, ctl.READING, lambda reading: reading == 0, deadline)
+                done = self._done.get(slot)
+                if done and done[0] is not None:
+                    done[0].wait()  # the snapshot write waits for its last pull, on the GPU
+            self._snapshot.run()
+            if self._publish_event is not None:
+                self._publish_event.record()
+            self.version += 1
+            c.store(ctl.PUBLISHED, self.version)
+        finally:
+            c.store(ctl.WRITING, 0)
+        return self.version
+
+    def _publish_bucketed(self, deadline: float) -> int:
+        c = self._counters
+        base, version = self._bucket_seq, self.version + 1
+        members = 0
+        for slot in list(self._done):
+            self._reap(slot)
+            if slot in self._done and c.load(ctl.slot_index(slot, ctl.OWNER)) > 0:
+                taken = ctl.slot_index(slot, ctl.TAKEN)
+                if c.load(taken) < base:  # joined since the last version: starts here
+                    c.store(taken, base)
+                members |= 1 << slot
+        member_slots = [s for s in self._done if members >> s & 1]
+        c.store(ctl.MEMBERS, members)
+        c.store(ctl.STREAM_VERSION, version)
+        c.store(ctl.STREAM_BASE, base)
+        n = self.layout.n_buckets
+        for k in range(n):
+            seq = base + k + 1
+            half = seq % 2
+            for slot in member_slots:
+                self._wait_slot(slot, ctl.TAKEN, lambda taken: taken >= seq - 2, deadline)
+                done = self._done.get(slot)
+                if done and done[half] is not None:
+                    done[half].wait()
+            self._pack(k, half).run()
+            if self._staging_events[half] is not None:
+                self._staging_events[half].record()
+            c.store(ctl.BUCKET_SEQ, seq)
+        for slot in member_slots:
+            self._wait_slot(slot, ctl.TAKEN, lambda taken: taken >= base + n, deadline)
+        self._bucket_seq = base + n
+        self.version = version
+        c.store(ctl.PUBLISHED, version)
+        return version
+
+    def _pack(self, bucket: int, half: int) -> BatchedCopy:
+        key = (bucket, half)
+        if key not in self._packs:
+            half_bytes = self.layout.buffer_bytes // 2
+            pairs = []
+            for e, first, count, offset in self.layout.pieces(bucket):
+                src = self._tensors[e.name].view(-1)[first : first + count]
+                pairs.append((src, typed_view(self._buffer, half * half_bytes + offset, e.dtype, count)))
+            self._packs[key] = BatchedCopy(pairs)
+            self.stats["path"] = self._packs[key].path
+        return self._packs[key]
+
+    # ---------------------------------------------------------------- lifetime
+
+    @property
+    def subscribers(self) -> int:
+        """Subscribers attached and alive (or not yet claimed their slot)."""
+        for slot in list(self._done):
+            self._reap(slot)
+        return len(self._done)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("torch_ipc.weights.Publisher is closed")
+
+    def close(self) -> None:
+        """Stop publishing; idempotent. Subscribers keep the last version
+        they pulled; their next pull raises PublisherGoneError once this
+        process exits (or reattaches to a new publisher)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._counters.store(ctl.PUBLISHER_PID, 0)
+
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        mode = f"bucketed {self.layout.bucket_bytes} B" if self.layout.bucket_bytes else "direct"
+        return (f"torch_ipc.weights.Publisher({len(self.layout.entries)} tensors, {self.layout.total_bytes} B, "
+                f"{mode}, version {self.version})")
