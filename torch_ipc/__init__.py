@@ -62,7 +62,9 @@ def stats() -> dict:
 
     exports / exported_bytes: live exports of this process and their bytes;
     tokens_pending: loads still expected; holders / dead_holders: processes
-    holding our exports (dead ones until the next collect);
+    holding our exports (dead ones until the next collect); held_bytes /
+    held_cuda_ipc_bytes: bytes of our exports that living consumers hold, and
+    how many of them are legacy CUDA IPC memory (lost to them when we exit);
     imports: holds this process has on other processes' exports;
     pending_releases: releases waiting for GPU work; mappings_open /
     mappings_idle / events_open: opened handles; lease_segments, host_segments;
