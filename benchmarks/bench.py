@@ -35,7 +35,9 @@ Workloads (--only NAME[,NAME]; in this order):
                    against one device copy of the same bytes (the ceiling)
     open           loads() of a tensor in a new allocation vs one already mapped
 Each round trip is also split (in the progress lines and the JSON) into the
-producer's dumps() and the consumer's loads().
+producer's dumps(), the consumer's loads(), its loads() + first read, and its
+release of what it held before (dropping it: for torch_ipc, the release queued
+behind the consumer's own GPU work, Note [deferred release]).
 
 Usage:
     python benchmarks/bench.py                        # every workload, full sizes
@@ -325,11 +327,12 @@ def recv_control(conn, timeout: float):
 class Timings:
     """What one timed loop measured, in ns, warm-up excluded."""
 
-    def __init__(self, rtt: list, dumps: list, loads: list, reads: list):
+    def __init__(self, rtt: list, dumps: list, loads: list, reads: list, drops: list):
         self.rtt = rtt  # producer: dumps + send + the consumer's loads + work + ack
         self.dumps = dumps  # producer: dumps alone
         self.loads = loads  # consumer: loads alone
         self.reads = reads  # consumer: loads + its work on what it loaded (the first read)
+        self.drops = drops  # consumer: dropping what it held before (the release)
 
 
 def round_trips(conn, side, next_obj, *, warmup: int, iters: int, timeout: float,
@@ -359,7 +362,7 @@ def round_trips(conn, side, next_obj, *, warmup: int, iters: int, timeout: float
                 break
     conn.send_bytes(END)
     consumer = recv_reply(conn, timeout)[warmup:]
-    return Timings(rtt, dumps, [c[0] for c in consumer], [c[1] for c in consumer])
+    return Timings(rtt, dumps, *([c[k] for c in consumer] for k in range(3)))
 
 
 def serve(conn, side, timeout: float, *, hold: bool = True, on_obj=None) -> None:
@@ -381,10 +384,11 @@ def serve(conn, side, timeout: float, *, hold: bool = True, on_obj=None) -> None
         t1 = time.perf_counter_ns()
         if on_obj is not None:
             on_obj(obj)
-        load_ns.append((t1 - t0, time.perf_counter_ns() - t0))
+        t2 = time.perf_counter_ns()
         if hold:
             held = obj  # noqa: F841  (the previous one goes only now)
         del obj
+        load_ns.append((t1 - t0, t2 - t0, time.perf_counter_ns() - t2))
         conn.send_bytes(ACK)
     del held
     send_reply(conn, load_ns)
@@ -422,6 +426,7 @@ def metric(key, label, ns=None, *, unit="us", value=None, better="lower", target
     out = {"key": key, "label": label, "unit": unit, "better": better, "target": target}
     if isinstance(ns, Timings):
         out["dumps"], out["loads"], out["reads"] = summary(ns.dumps), summary(ns.loads), summary(ns.reads)
+        out["drops"] = summary(ns.drops)
         ns = ns.rtt
     if ns is not None:
         out["stats"] = summary(ns)
@@ -820,7 +825,8 @@ def run_side(side_name: str, names: list, cfg: dict) -> dict:
             if "dumps" in m:  # where a round trip goes: dumps in the producer, loads + work in the consumer
                 parts = (f" (dumps {fmt_value(m['dumps']['median_us'], 'us')},"
                          f" loads {fmt_value(m['loads']['median_us'], 'us')},"
-                         f" loads + read {fmt_value(m['reads']['median_us'], 'us')})")
+                         f" loads + read {fmt_value(m['reads']['median_us'], 'us')},"
+                         f" release {fmt_value(m['drops']['median_us'], 'us')})")
             print(f"[{side_name}] {name}: {m['label']}: {fmt_value(m['value'], m['unit'])}{parts}", flush=True)
         print(f"[{side_name}] {name}: {result['seconds']:.1f} s", flush=True)
 

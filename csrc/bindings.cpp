@@ -2,7 +2,10 @@
 // exception types of errors.h onto the Python classes of torch_ipc/errors.py.
 #include <torch/extension.h>
 
+#include <mutex>
+
 #include "batched_copy.h"
+#include "block_allocator.h"
 #include "cuda_driver.h"
 #include "descriptor.h"
 #include "errors.h"
@@ -127,6 +130,17 @@ py::dict stats() {
   out["dead_holders"] = e.dead_holders;
   out["held_bytes"] = e.held_bytes;
   out["held_cuda_ipc_bytes"] = e.held_cuda_ipc_bytes;
+  py::list oldest;
+  for (const PinnedExport& p : e.oldest) {
+    py::dict r;
+    r["age_s"] = p.age_s;
+    r["bytes"] = p.bytes;
+    r["tokens_pending"] = p.tokens_pending;
+    r["holders"] = p.holders;
+    r["dead_holders"] = p.dead_holders;
+    oldest.append(r);
+  }
+  out["oldest_exports"] = oldest;
   out["imports"] = i.holds;
   out["pending_releases"] = i.pending_releases;
   out["mappings_open"] = i.mappings_open;
@@ -171,13 +185,37 @@ PYBIND11_MODULE(_C, m) {
       .def("revoke", &Export::revoke);
   m.def("export_tensors", &export_tensors, py::arg("tensors"), py::arg("is_parameter"),
         py::arg("payload"), py::arg("consumers") = 1);
+  py::class_<PendingLoad, std::shared_ptr<PendingLoad>>(
+      m, "PendingLoad",
+      "What a load spends at its producers (a token, a forwarder's delivery) once it succeeded: "
+      "commit() spends it; a load that failed drops it unspent.")
+      .def("commit", &PendingLoad::commit);
+  // Note [imports without the GIL]
+  // A load may wait: for a VMM producer's fd server (up to 10 s), for /proc.
+  // It touches no Python object, so it runs with the GIL released and the
+  // other threads of the process keep running.
+  auto import_released = [](const py::bytes& data) {
+    std::string bytes = data;
+    py::gil_scoped_release release;
+    return import_tensors(bytes);
+  };
   m.def(
       "import_tensors",
-      [](const py::bytes& data) {
-        ImportResult r = import_tensors(data);
+      [import_released](const py::bytes& data) {
+        ImportResult r = import_released(data);
+        r.pending->commit();
         return py::make_tuple(r.tensors, r.is_parameter, py::bytes(r.payload));
       },
       py::arg("data"));
+  m.def(
+      "import_pending",
+      [import_released](const py::bytes& data) {
+        ImportResult r = import_released(data);
+        return py::make_tuple(r.tensors, r.is_parameter, py::bytes(r.payload), r.pending);
+      },
+      py::arg("data"),
+      "import_tensors, with what the load spends left to PendingLoad.commit() (Note [a load "
+      "spends last] in import.cpp).");
   m.def("describe", &describe, py::arg("data"));
   // Note [torch never sees our storages] in _reductions.py
   m.def(
@@ -192,6 +230,19 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "collect",
       [](bool close_idle) {
+        // Note [collect without the GIL]
+        // A collection looks at every live export and import: with thousands
+        // held it takes milliseconds, and the GIL would stall every Python
+        // thread for that long, every collect interval. It touches no Python
+        // object; storages it drops take the GIL themselves if a Python object
+        // still refers to them (torch's PyObject slot does). Collections run
+        // one at a time (the GIL used to see to that): a collect() returns
+        // after what another thread's collection dropped is freed and
+        // unmapped, so stats() afterwards are settled. The GIL is released
+        // before the lock is taken, never the other way round.
+        static std::mutex* one_at_a_time = new std::mutex();
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(*one_at_a_time);
         int reclaimed = collect_exports();
         collect_imports(close_idle);
         return reclaimed;
@@ -257,6 +308,105 @@ PYBIND11_MODULE(_C, m) {
   });
   // ---- end VMM sharing ----
 
+  // ---- begin KV pool block ownership (csrc/block_allocator.h) ----
+  // Block ids cross as bytes of int64s (torch_ipc/kv.py packs them): no per-id
+  // conversion. Every call that takes the pool's lock releases the GIL: the
+  // lock may be held by another process (Note [block ownership under a robust
+  // mutex]), and the collector thread calls reclaim_dead.
+  using Allocator = BlockAllocator;
+  using ReleaseGil = py::call_guard<py::gil_scoped_release>;
+  auto ids_of = [](const py::bytes& packed) {
+    std::string_view v = packed;
+    TORCH_CHECK_VALUE(v.size() % sizeof(int64_t) == 0, "torch_ipc: packed block ids must be int64s");
+    return std::make_pair(reinterpret_cast<const int64_t*>(v.data()), v.size() / sizeof(int64_t));
+  };
+  auto process = [](const ProcessId& p) { return py::make_tuple(p.pid, p.start_time); };
+  py::class_<Allocator>(m, "BlockAllocator", "who holds each block of a KV pool, in shared memory")
+      .def_static(
+          "create",
+          [](const std::vector<int64_t>& shape, at::ScalarType dtype, uint64_t max_blocks) {
+            return Allocator::create(BlockLayout{shape, static_cast<int32_t>(dtype), 0}, max_blocks);
+          },
+          py::arg("shape"), py::arg("dtype"), py::arg("max_blocks"), ReleaseGil())
+      .def_static(
+          "attach",
+          [](const std::string& name, uint32_t pid, uint64_t start_time) {
+            return Allocator::attach(name, ProcessId{pid, start_time});
+          },
+          py::arg("name"), py::arg("pid"), py::arg("start_time"), ReleaseGil())
+      .def_static("self_process", [=] { return process(self_process()); })
+      .def_readonly_static("max_chunks", &Allocator::kMaxChunks)
+      .def_property_readonly("name", &Allocator::name)
+      .def_property_readonly("layout",
+                             [](const Allocator& a) {
+                               BlockLayout l = a.layout();
+                               return py::make_tuple(l.shape, static_cast<at::ScalarType>(l.dtype), l.block_bytes);
+                             })
+      .def_property_readonly("num_blocks", &Allocator::num_blocks)
+      .def_property_readonly("max_blocks", &Allocator::max_blocks)
+      .def_property_readonly("free_blocks", &Allocator::free_blocks)
+      .def_property_readonly("slot", &Allocator::slot)
+      .def("allocate", &Allocator::allocate, py::arg("n"), ReleaseGil())
+      .def("free",
+           [=](Allocator& a, const py::bytes& ids) {
+             auto [p, n] = ids_of(ids);
+             py::gil_scoped_release release;
+             a.free(p, n);
+           })
+      .def("check_held",
+           [=](const Allocator& a, const py::bytes& ids) {
+             auto [p, n] = ids_of(ids);
+             py::gil_scoped_release release;
+             a.check_held(p, n);
+           })
+      .def("take_over",
+           [=](Allocator& a, const py::bytes& ids, uint32_t slot, uint32_t pid, uint64_t start_time) {
+             auto [p, n] = ids_of(ids);
+             py::gil_scoped_release release;
+             a.take_over(p, n, slot, ProcessId{pid, start_time});
+           })
+      .def("reclaim_dead", &Allocator::reclaim_dead, ReleaseGil())
+      .def("holder_of",
+           [=](const Allocator& a, int64_t id) {
+             ProcessId p;
+             {
+               py::gil_scoped_release release;
+               p = a.holder_of(id);
+             }
+             return process(p);
+           })
+      .def("holders",
+           [=](const Allocator& a) {
+             std::vector<PoolHolder> holders;
+             {
+               py::gil_scoped_release release;
+               holders = a.holders();
+             }
+             py::list out;
+             for (const auto& h : holders) out.append(py::make_tuple(process(h.process), h.blocks));
+             return out;
+           })
+      .def("held_by_self", &Allocator::held_by_self, ReleaseGil())
+      .def("add_chunk",
+           [](Allocator& a, uint64_t count, const py::bytes& d) {
+             std::string descriptor = d;
+             py::gil_scoped_release release;
+             a.add_chunk(count, descriptor);
+           })
+      .def("chunks",
+           [](const Allocator& a, size_t from) {
+             std::vector<PoolChunk> chunks;
+             {
+               py::gil_scoped_release release;
+               chunks = a.chunks(from);
+             }
+             py::list out;
+             for (const auto& c : chunks) out.append(py::make_tuple(c.first, c.count, py::bytes(c.descriptor)));
+             return out;
+           })
+      .def("detach", &Allocator::detach, ReleaseGil())
+      .def("unlink", &Allocator::unlink);
+  // ---- end KV pool ----
   // ---- begin weights (csrc/batched_copy.h, csrc/shared_counters.h; torch_ipc/weights) ----
   m.def("launch_batched", [](const at::Tensor& items, int kernel) {
     launch_batched(items, static_cast<BatchedKernel>(kernel));
@@ -276,6 +426,10 @@ PYBIND11_MODULE(_C, m) {
   // ---- test-only: torch_ipc._C._testing, not part of the package's API ----
   py::module_ testing = m.def_submodule("_testing", "primitives torch_ipc's own tests drive directly");
   testing.def("vmm_mapping_view", &vmm_mapping_view, py::arg("tensor"));
+  testing.def("kv_stall_mid_operation", [](BlockAllocator& a) {
+    py::gil_scoped_release release;
+    a.stall_mid_operation_for_tests();
+  });
   // fd passing primitives: publish fds of this process, fetch another's.
   testing.def("fd_self", [] { return py::make_tuple(self_process().pid, self_process().start_time); });
   // The socket that serves export `id` of a process (Note [fd server name]).

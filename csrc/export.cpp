@@ -2,6 +2,8 @@
 
 #include <c10/core/StorageImpl.h>
 
+#include <algorithm>
+#include <chrono>
 #include <map>
 #include <tuple>
 #include <unordered_map>
@@ -25,6 +27,12 @@ namespace {
 // holder word, so it vanishes if the forwarder dies before delivery); the
 // consumer takes its own hold first and then removes one of those extras
 // (lease_remove_deliveries). The owner's token revocation never touches them.
+
+int64_t steady_now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 // Note [open-ended exports]
 // dumps(consumers=None) asks for no count of loads: any number of processes
@@ -260,6 +268,7 @@ std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
   d.payload = payload;
   TableBuilder tables(d);
   auto record = std::make_unique<ExportRecord>();
+  record->exported_at_ns = steady_now_ns();
   d.storages.reserve(message.storages.size());
   for (size_t i = 0; i < message.storages.size(); ++i) {
     tables.add_storage(message.storages[i], sources[i]);
@@ -279,11 +288,15 @@ std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
 int collect_exports() {
   vmm_collect();  // VMM exports of storages that died since the last call
   forget_dead_locations();
+  HolderLivenessCycle cycle;  // Note [liveness per cycle] in refcount.h
   return drop_exports([](const ExportRecord& r) { return lease_try_reclaim(r.lease); });
 }
 
 ExportStats export_stats() {
   ExportStats s{};
+  HolderLivenessCycle cycle;
+  const int64_t now = steady_now_ns();
+  auto younger = [](const PinnedExport& a, const PinnedExport& b) { return a.age_s > b.age_s; };
   for_each_export([&](const ExportRecord& r) {
     ++s.exports;
     s.exported_bytes += static_cast<int64_t>(r.bytes);
@@ -291,12 +304,24 @@ ExportStats export_stats() {
     s.tokens_pending += c.tokens;
     s.holders += c.holders;
     s.dead_holders += c.dead_holders;
+    // The oldest exports, kept as a heap whose top is the youngest of them.
+    PinnedExport p{static_cast<double>(now - r.exported_at_ns) * 1e-9, static_cast<int64_t>(r.bytes),
+                   c.tokens, c.holders, c.dead_holders};
+    if (s.oldest.size() < kOldestExportsShown) {
+      s.oldest.push_back(p);
+      std::push_heap(s.oldest.begin(), s.oldest.end(), younger);
+    } else if (p.age_s > s.oldest.front().age_s) {
+      std::pop_heap(s.oldest.begin(), s.oldest.end(), younger);
+      s.oldest.back() = p;
+      std::push_heap(s.oldest.begin(), s.oldest.end(), younger);
+    }
     if (c.holders <= c.dead_holders) return;
     s.held_bytes += static_cast<int64_t>(r.bytes);
     for (size_t i = 0; i < r.storages.size(); ++i)
       if (r.locations[i].alloc.kind == AllocKind::CudaIpc)
         s.held_cuda_ipc_bytes += static_cast<int64_t>(r.storages[i].nbytes());
   });
+  std::sort(s.oldest.begin(), s.oldest.end(), younger);
   return s;
 }
 

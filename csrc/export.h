@@ -57,11 +57,20 @@ std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
 // Returns how many exports were reclaimed.
 int collect_exports();
 
+// One live export, as stats() shows the oldest ones: an export that stays
+// long is pinned by a load that never came or a holder that never released.
+struct PinnedExport {
+  double age_s;
+  int64_t bytes, tokens_pending, holders, dead_holders;
+};
+constexpr size_t kOldestExportsShown = 16;
+
 struct ExportStats {
   int64_t exports, exported_bytes, tokens_pending, holders, dead_holders;
   // Bytes of exports that a living consumer holds, and how many of them are
   // legacy CUDA IPC memory (gone for those consumers when this process exits).
   int64_t held_bytes, held_cuda_ipc_bytes;
+  std::vector<PinnedExport> oldest;  // at most kOldestExportsShown, oldest first
 };
 ExportStats export_stats();
 

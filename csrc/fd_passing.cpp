@@ -241,8 +241,6 @@ std::optional<UniqueFd> listen_on(const std::string& name) {
 // Called with s.mu held.
 void ensure_server(Server& s) {
   if (s.started_by == getpid()) return;
-  // A fork inherits the parent's table but not its thread, and has another name.
-  s.published.clear();
   std::optional<UniqueFd> listener =
       create_under_random_name("the fd server's socket", [&](uint64_t r) {
         s.tag = static_cast<uint32_t>(r);
@@ -251,7 +249,6 @@ void ensure_server(Server& s) {
   s.listening = listener->get();
   std::thread(serve_forever, listener->release()).detach();  // lives as long as the process
   s.started_by = getpid();
-  s.listening = fd;
 }
 
 int pidfd_open(pid_t pid) { return static_cast<int>(syscall(SYS_pidfd_open, pid, 0)); }

@@ -222,7 +222,8 @@ std::string tensor_kinds(const Descriptor& d) {
   return cuda && cpu ? "CPU and CUDA tensors" : cuda ? "CUDA tensors" : cpu ? "CPU tensors" : "tensors";
 }
 
-// Step 1: a descriptor of this machine's boot whose producer lives.
+// Step 1: a descriptor of this machine's boot whose producer lives, and
+// nothing in it that can be refused without asking its producer.
 Descriptor decode_and_check(const std::string& data, Liveness& alive) {
   Descriptor d = decode(data.data(), data.size());
   if (d.boot_id != boot_id())
@@ -233,6 +234,8 @@ Descriptor decode_and_check(const std::string& data, Liveness& alive) {
     throw producer_gone(d.producer.pid, "the " + tensor_kinds(d) +
                                             " it shared can no longer be loaded; export them "
                                             "again from a running process");
+  for (const AllocRecord& a : d.allocs)
+    if (a.kind == AllocKind::CpuShm) host_name(a.handle);  // throws on a name that is not ours to open
   return d;
 }
 
@@ -242,24 +245,36 @@ std::vector<int> local_devices(const Descriptor& d) {
   return local;
 }
 
+// Note [a load spends last]
+// A load that fails (a record its producer's memory does not match, an fd
+// fetch that timed out, a payload that does not unpickle, Ctrl-C) must leave
+// the export as it found it, so that a correct retry succeeds. So a load first
+// takes only holds, which its tensors give back when they die, and spends what
+// it was given (a token of each lease, a forwarder's pending delivery) last,
+// in PendingLoad::commit(), once the tensors are built and Python has
+// unpickled the payload. Until then the hold keeps the export from being
+// reclaimed, and the unspent token keeps it loadable.
+
 // Step 2: holds, one per lease, before anything is mapped: from here on the
 // owners cannot reclaim what we build on. A lease of our own export needs no
 // hold (its storages keep it): it is only checked, and left null.
-std::vector<std::shared_ptr<Hold>> take_holds(Consumer& c, const Descriptor& d, Liveness& alive) {
+std::vector<std::shared_ptr<Hold>> take_holds(Consumer& c, const Descriptor& d, Liveness& alive,
+                                              std::vector<PendingLoad::Spend>& spends) {
   std::vector<std::shared_ptr<Hold>> holds(d.leases.size());
   for (size_t i = 0; i < d.leases.size(); ++i) {
     const LeaseRecord& l = d.leases[i];
     const bool forwarded = l.owner != d.producer;  // Note [forwarding] in export.cpp
     if (l.owner == self_process()) {
-      lease_take_token(l, /*take=*/!forwarded);
+      lease_take_token(l, /*take=*/false);
     } else {
       if (forwarded && !alive(l.owner)) throw producer_gone(l.owner.pid, "the memory it owned is gone");
-      lease_hold(l, /*take_token=*/!forwarded);
+      lease_hold(l, /*take_token=*/false);
       ++c.holds;
       holds[i] = std::make_shared<Hold>();
       holds[i]->lease = l;
     }
-    if (forwarded && !(d.flags & kOpenEnded)) lease_remove_deliveries(l, d.producer.pid, 1);
+    if (!(forwarded && (d.flags & kOpenEnded)))  // open-ended forwarding has no deliveries
+      spends.push_back(PendingLoad::Spend{l, forwarded, d.producer.pid});
   }
   return holds;
 }
@@ -412,7 +427,8 @@ ImportResult import_tensors(const std::string& data) {
   Liveness alive;
   Descriptor d = decode_and_check(data, alive);
   const std::vector<int> local = local_devices(d);
-  std::vector<std::shared_ptr<Hold>> holds = take_holds(c, d, alive);
+  std::vector<PendingLoad::Spend> spends;
+  std::vector<std::shared_ptr<Hold>> holds = take_holds(c, d, alive, spends);
   wait_for_producer(d, local);
   std::vector<std::shared_ptr<Mapping>> mapped = map_allocations(c, d, local, holds);
   std::vector<c10::Storage> storages = build_storages(d, local, holds, mapped);
@@ -420,7 +436,24 @@ ImportResult import_tensors(const std::string& data) {
   ImportResult out;
   out.payload = std::move(d.payload);
   build_tensors(d, storages, out);
+  out.pending = std::make_shared<PendingLoad>(std::move(spends));
   return out;
+}
+
+void PendingLoad::commit() {
+  if (committed_.exchange(true)) return;
+  for (const Spend& s : spends_) {
+    if (s.forwarded) {
+      lease_remove_deliveries(s.lease, s.forwarder_pid, 1);
+      continue;
+    }
+    try {
+      lease_take_token(s.lease);
+    } catch (const Released&) {
+      // Our own export, reclaimed since the load checked it: its storages,
+      // which the tensors keep, are all the load needs.
+    }
+  }
 }
 
 void collect_imports(bool close_idle) {

@@ -5,16 +5,42 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "descriptor.h"
+
 namespace torch_ipc {
 
-struct ImportResult {
+// What a load spends at the producers once it has fully succeeded (Note [a
+// load spends last] in import.cpp): one token of each lease it was meant for,
+// and one pending delivery of each forwarder it came through. Hidden, like
+// the pybind11 type that binds it.
+class __attribute__((visibility("hidden"))) PendingLoad {
+ public:
+  struct Spend {
+    LeaseRecord lease;
+    bool forwarded;          // remove a delivery of the forwarder, take no token
+    uint32_t forwarder_pid;  // the descriptor's producer
+  };
+  explicit PendingLoad(std::vector<Spend> spends) : spends_(std::move(spends)) {}
+  // Spend what the load was given. Idempotent. Call it while the tensors of
+  // the load are alive (their holds keep the leases from being reclaimed).
+  void commit();
+
+ private:
+  std::vector<Spend> spends_;
+  std::atomic<bool> committed_{false};
+};
+
+struct __attribute__((visibility("hidden"))) ImportResult {
   std::vector<at::Tensor> tensors;
   std::vector<bool> is_parameter;
   std::string payload;
+  std::shared_ptr<PendingLoad> pending;  // committed by the caller once the load succeeded
 };
 ImportResult import_tensors(const std::string& data);
 

@@ -6,6 +6,7 @@
 #include <memory>
 #include <mutex>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include <c10/util/Exception.h>
@@ -37,7 +38,17 @@ uint32_t holder_pid(uint64_t w) { return static_cast<uint32_t>(w >> 32); }
 // bit, so that a consumer moving one to itself never takes the forwarder's own
 // holds (a descriptor loaded more often than it was meant to be).
 constexpr uint32_t kDeliveryBit = 0x80000000u;
-bool holder_alive(uint64_t w) { return pid_alive(holder_pid(w) & ~kDeliveryBit); }
+
+// The answers of the HolderLivenessCycle of this thread, if one is open.
+thread_local std::unordered_map<uint32_t, bool>* cycle_answers = nullptr;
+
+bool holder_alive(uint64_t w) {
+  const uint32_t pid = holder_pid(w) & ~kDeliveryBit;
+  if (cycle_answers == nullptr) return pid_alive(pid);
+  auto [it, inserted] = cycle_answers->emplace(pid, false);
+  if (inserted) it->second = pid_alive(pid);
+  return it->second;
+}
 uint32_t holder_count(uint64_t w) { return static_cast<uint32_t>(w); }
 
 class Leases {
@@ -157,8 +168,9 @@ class Leases {
   uint32_t anchor_ = 0;  // the first own segment: the anchor of host segments
 };
 
-// Add n holds for `pid`; false when all holder words are taken.
-bool add_holder(Slot* s, uint32_t pid, uint32_t n = 1) {
+// Add n holds for `pid` to an existing word of it, or to a free one; false
+// when all holder words are taken.
+bool add_to_holder_words(Slot* s, uint32_t pid, uint32_t n) {
   for (auto& h : s->holders) {
     uint64_t w = h.load();
     while (w != 0 && holder_pid(w) == pid) {
@@ -170,6 +182,23 @@ bool add_holder(Slot* s, uint32_t pid, uint32_t n = 1) {
     if (h.compare_exchange_strong(expected, holder_word(pid, n))) return true;
   }
   return false;
+}
+
+// Clear the words of holders that died; true when one was cleared.
+bool clear_dead_holders(Slot* s) {
+  bool cleared = false;
+  for (auto& h : s->holders) {
+    uint64_t w = h.load();
+    if (w != 0 && !holder_alive(w) && h.compare_exchange_strong(w, 0)) cleared = true;
+  }
+  return cleared;
+}
+
+// Add n holds for `pid`; false when all holder words are taken by living
+// holders (Note [holder limit]).
+bool add_holder(Slot* s, uint32_t pid, uint32_t n = 1) {
+  if (add_to_holder_words(s, pid, n)) return true;
+  return clear_dead_holders(s) && add_to_holder_words(s, pid, n);
 }
 
 // Remove up to n holds of `pid`; returns how many were there to remove.
@@ -213,9 +242,9 @@ bool has_living_holder(Slot* s) {
 void hold_as(Slot* s, const LeaseRecord& lease, uint32_t holder, uint32_t n) {
   if (!add_holder(s, holder, n))  // Note [holder limit] in refcount.h
     throw HolderLimit("torch_ipc: this export already has " + std::to_string(kHoldersPerSlot) +
-                      " holders, the most one export can have at once (a holder is a process that "
-                      "loaded it, a forwarder with deliveries pending, or one of those that died "
-                      "before the producer looked). Export once per group of at most " +
+                      " holders, the most one export can have at once (a holder is a living "
+                      "process that loaded it and holds it, or a forwarder with deliveries "
+                      "pending). Export once per group of at most " +
                       std::to_string(kHoldersPerSlot) +
                       " consumers (a dumps() call each), or have consumers release what they "
                       "loaded before more load it.");
@@ -239,7 +268,8 @@ LeaseRecord lease_acquire(uint32_t tokens) { return Leases::get().acquire(tokens
 bool lease_try_reclaim(const LeaseRecord& lease) {
   Slot* s = Leases::get().slot(lease);
   if (s->generation.load() != lease.generation) return false;  // reclaimed already
-  if (s->tokens.load() != 0 || has_living_holder(s)) return false;
+  const bool living = has_living_holder(s);  // clears dead words, tokens left or not
+  if (s->tokens.load() != 0 || living) return false;
   uint64_t expected = lease.generation;
   if (!s->generation.compare_exchange_strong(expected, 0)) return false;
   if (s->tokens.load() != 0 || has_living_holder(s)) {
@@ -313,6 +343,16 @@ void lease_take_token(const LeaseRecord& lease, bool take) {
 void leases_forget_after_fork() {
   Leases::get().disown_after_fork();
   forget_after_fork<Leases>();
+}
+
+HolderLivenessCycle::HolderLivenessCycle() : outermost_(cycle_answers == nullptr) {
+  if (outermost_) cycle_answers = new std::unordered_map<uint32_t, bool>();
+}
+
+HolderLivenessCycle::~HolderLivenessCycle() {
+  if (!outermost_) return;
+  delete cycle_answers;
+  cycle_answers = nullptr;
 }
 
 void lease_unlink_own_segments() { Leases::get().unlink_own(); }

@@ -25,11 +25,13 @@ namespace torch_ipc {
 //
 // Note [holder limit]
 // A slot is one 128-byte line, with room for kHoldersPerSlot holder words: one
-// per process holding the export, one per forwarder with deliveries pending (a
-// dead holder's word stays until its producer looks). So at most 14 hold one
-// export at once; a 15th load raises torch_ipc.HolderLimitError (a
-// RuntimeError) that says so. Export once
-// per group of consumers instead, or have some release first.
+// per process holding the export, one per forwarder with deliveries pending.
+// A holder that died leaves its word behind; such words are cleared when the
+// producer collects (tokens left or not) and by a load that finds no free
+// word, so dead consumers never use up an export. So at most 14 LIVING
+// processes hold one export at once; a 15th load raises
+// torch_ipc.HolderLimitError (a RuntimeError) that says so. Export once per
+// group of consumers instead, or have some release first.
 constexpr int kHoldersPerSlot = 14;
 constexpr uint32_t kSlotsPerSegment = 4096;
 
@@ -42,6 +44,7 @@ struct LeaseCounts {
 // Producer side.
 LeaseRecord lease_acquire(uint32_t tokens);
 // Reclaim if no token is left and no living process holds; true when reclaimed.
+// Clears the words of dead holders either way (Note [holder limit]).
 bool lease_try_reclaim(const LeaseRecord& lease);
 void lease_revoke_tokens(const LeaseRecord& lease);
 LeaseCounts lease_counts(const LeaseRecord& lease);
@@ -64,6 +67,23 @@ void lease_remove_deliveries(const LeaseRecord& lease, uint32_t forwarder_pid, u
 // A load in the owner process itself: check the export lives and take one
 // token (if `take` and one is left), without holding.
 void lease_take_token(const LeaseRecord& lease, bool take = true);
+
+// Note [liveness per cycle]
+// Whether a holder lives is kill() and a read of /proc/<pid>/stat (~10 us).
+// A collection looks at every held export, and the same few consumers hold
+// most of them: while a HolderLivenessCycle lives in a thread, each pid is
+// asked once and the answer reused, so a collection costs one check per
+// consumer process, not one per holder word.
+class HolderLivenessCycle {
+ public:
+  HolderLivenessCycle();
+  ~HolderLivenessCycle();
+  HolderLivenessCycle(const HolderLivenessCycle&) = delete;
+  HolderLivenessCycle& operator=(const HolderLivenessCycle&) = delete;
+
+ private:
+  bool outermost_;
+};
 
 // Unlink this process's segments (at exit); mappings stay valid.
 void lease_unlink_own_segments();

@@ -65,6 +65,7 @@ struct ExportRecord {
   std::vector<c10::Storage> storages;
   std::vector<Location> locations;  // parallel to storages
   uint64_t bytes = 0;
+  int64_t exported_at_ns = 0;  // steady clock, for stats' ages
 };
 
 void register_export(std::unique_ptr<ExportRecord> record);

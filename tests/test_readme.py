@@ -68,5 +68,6 @@ def test_readme_api_table_lists_every_public_name():
     table = text[text.index("## API"):]
     table = table[:table.index("\n## ")]
     listed = set(re.findall(r"^\| `([\w.]+)", table, flags=re.M))
-    public = set(torch_ipc.__all__) | {f"weights.{name}" for name in torch_ipc.weights.__all__}
+    public = set(torch_ipc.__all__) | {f"weights.{name}" for name in torch_ipc.weights.__all__} \
+        | {f"kv.{name}" for name in torch_ipc.kv.__all__}
     assert public <= listed, sorted(public - listed)

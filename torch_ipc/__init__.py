@@ -28,6 +28,7 @@ from .errors import (
 )
 from .ipc_event import IpcEvent
 from .pool import SharedPool
+from . import kv  # noqa: E402  (torch_ipc.kv.SharedKVPool)
 from . import weights  # torch_ipc.weights.Publisher / Subscriber
 
 __version__ = "0.1.0"
@@ -65,6 +66,9 @@ def stats() -> dict:
     holding our exports (dead ones until the next collect); held_bytes /
     held_cuda_ipc_bytes: bytes of our exports that living consumers hold, and
     how many of them are legacy CUDA IPC memory (lost to them when we exit);
+    oldest_exports: the 16 oldest live exports, oldest first, each a dict of
+    age_s, bytes, tokens_pending, holders and dead_holders (an old one is
+    pinned by a load that never came, or by a holder that keeps it);
     imports: holds this process has on other processes' exports;
     pending_releases: releases waiting for GPU work; mappings_open /
     mappings_idle / events_open: opened handles; lease_segments, host_segments;

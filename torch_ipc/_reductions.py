@@ -28,23 +28,27 @@ every new Process copies and which a child started with 'spawn' or
 'forkserver' unpickles before its target runs: unpickling it turns the
 reductions on in the child (and its children in turn). A forked child
 inherits them with the rest of its parent's memory.
+
+What a message exported is tied to the connection that sends it (Note
+[unread messages] in _channels.py).
 """
 
 import contextlib
 import multiprocessing.process
 import pickle
+from multiprocessing import connection as _mpc
 from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Iterator, Optional
 
 import torch
 
-from . import _C, _serialize
+from . import _C, _channels, _serialize
 
 __all__ = ["init_reductions", "restore_reductions", "reductions"]
 
 _STORAGE_TYPES = (torch.UntypedStorage, torch.storage.TypedStorage, *torch._storage_classes)
 _REDUCED_TYPES = tuple(dict.fromkeys((torch.Tensor, torch.nn.Parameter, *_STORAGE_TYPES)))
-_saved = None  # (original dumps, {type: original reducer or None})
+_saved = None  # (original dumps, {type: original reducer or None}, original Connection._send_bytes)
 _CONFIG_KEY = "torch_ipc.reductions"
 
 
@@ -72,8 +76,18 @@ def _dumps(cls, obj, protocol=None):
     parts = _serialize.split(obj, protocol=protocol)  # without tensors: as multiprocessing pickles it
     if not parts[0]:  # pickled exactly as multiprocessing would, already
         return _serialize.plain_pickle(parts[2])
-    descriptor = _serialize.export_object(obj, parts).data
-    return memoryview(pickle.dumps(_Message(descriptor), pickle.HIGHEST_PROTOCOL))
+    sent = _serialize.export_object(obj, parts)
+    data = pickle.dumps(_Message(sent.data), pickle.HIGHEST_PROTOCOL)
+    if sent.live:
+        _channels.made(data, [sent])
+    return memoryview(data)
+
+
+def _tracked_send_bytes(original):
+    def _send_bytes(self, buf):
+        _channels.sending(self, buf, lambda b: original(self, b))
+
+    return _send_bytes
 
 
 def _tensor_view(obj) -> Optional[torch.Tensor]:
@@ -139,8 +153,10 @@ def init_reductions() -> None:
         return
     _install_guards()
     originals = {t: ForkingPickler._extra_reducers.get(t) for t in _REDUCED_TYPES}
-    _saved = (ForkingPickler.__dict__["dumps"], originals)
+    send_bytes = _mpc.Connection.__dict__["_send_bytes"]
+    _saved = (ForkingPickler.__dict__["dumps"], originals, send_bytes)
     ForkingPickler.dumps = classmethod(_dumps)
+    _mpc.Connection._send_bytes = _tracked_send_bytes(send_bytes)
     for t in _REDUCED_TYPES:
         ForkingPickler.register(t, _reduce_one)
     multiprocessing.process.current_process()._config[_CONFIG_KEY] = _InheritReductions()
@@ -151,9 +167,10 @@ def restore_reductions() -> None:
     global _saved
     if _saved is None:
         return
-    dumps, originals = _saved
+    dumps, originals, send_bytes = _saved
     multiprocessing.process.current_process()._config.pop(_CONFIG_KEY, None)
     ForkingPickler.dumps = dumps
+    _mpc.Connection._send_bytes = send_bytes
     for t, reducer in originals.items():
         if reducer is None:
             ForkingPickler._extra_reducers.pop(t, None)

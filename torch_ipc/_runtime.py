@@ -6,8 +6,24 @@ memory finished) and a producer reclaims an export only when its consumers
 released it or died. Somebody has to look: a daemon thread calls
 ``_C.collect()`` every TORCH_IPC_COLLECT_INTERVAL seconds (default 0.05), then
 the hooks other modules registered with :func:`on_collect` (connections check
-their peers there). It runs with the GIL, so the storages it drops are
-dropped as from Python code.
+their peers there). ``_C.collect()`` releases the GIL (Note [collect without
+the GIL] in bindings.cpp): thousands of held exports do not stall the
+process's Python threads.
+
+Note [exit order]
+At exit, torch_ipc unlinks this process's shared memory names and releases
+its holds (``_C.shutdown()``). multiprocessing exports at exit too: a
+``Queue.put(t)`` right before the main function returns is pickled (and so
+exported) by the queue's feeder thread, which multiprocessing flushes and
+joins in its own exit function, and children that still load are joined
+there. atexit runs hooks in reverse order of registration and multiprocessing
+registers its hook when it is imported (torch imports it first), so an atexit
+hook of ours would run before it. So the exit hook is a multiprocessing
+finalizer with the lowest priority: multiprocessing's exit function runs it
+last, after the feeders were flushed and the children joined (in processes
+that multiprocessing started, too, which skip atexit). An export after the
+shutdown (a thread still sending) raises instead of creating names nobody
+will unlink.
 
 Note [periodic sweep]
 Files of processes that died without their exit hook (SIGKILL, os._exit)
@@ -18,32 +34,38 @@ while any torch_ipc process (a consumer too) runs. A sweep reads /dev/shm and
 probes one lock per process there, without the GIL.
 """
 
-import atexit
 import os
 import threading
 import time
 import warnings
-from typing import Callable, List
+from multiprocessing import util as _mp_util
+from typing import Callable, List, Optional
 
 from . import _C
 
 _lock = threading.Lock()
 _started = False
 _stop = threading.Event()
+_thread: Optional[threading.Thread] = None
 _pid = -1  # the process that started the collector
+_shut_down = False
 _hooks: List[Callable[[], None]] = []
-_exit_registered = False
+_EXIT_PRIORITY = -1000  # below every finalizer of multiprocessing (queues join at -5)
+_JOIN_TIMEOUT_S = 5.0
 
 
 # Note [fork] (csrc/process.h): a forked child has its own identity and none
 # of its parent's state. Its collector thread did not survive the fork, so
-# it starts its own on first use; its exit hook looks after its own exports.
+# it starts its own on first use; its exit hook looks after its own exports
+# (the finalizer it inherited does nothing there: it is not the _pid's).
 def _forget_parent_after_fork() -> None:
-    global _lock, _started, _stop, _pid
+    global _lock, _started, _stop, _pid, _thread, _shut_down
     _lock = threading.Lock()
     _started = False
     _stop = threading.Event()
+    _thread = None
     _pid = -1
+    _shut_down = False
 
 
 os.register_at_fork(after_in_child=_forget_parent_after_fork)
@@ -96,12 +118,11 @@ def ensure_started() -> None:
     with _lock:
         if _started:
             return
-        threading.Thread(target=_loop, args=(_interval(),), name="torch_ipc-collector", daemon=True).start()
-        global _pid, _exit_registered
+        global _pid, _thread
+        _thread = threading.Thread(target=_loop, args=(_interval(),), name="torch_ipc-collector", daemon=True)
+        _thread.start()
         _pid = os.getpid()
-        if not _exit_registered:  # a forked child inherits its parent's registration
-            atexit.register(_at_exit)
-            _exit_registered = True
+        _mp_util.Finalize(None, _at_exit, exitpriority=_EXIT_PRIORITY)  # Note [exit order]
         _started = True
 
 
@@ -118,10 +139,27 @@ def exit_warning(s: dict) -> str:
     )
 
 
+def check_not_shut_down() -> None:
+    """Raise if this process already shut torch_ipc down (it is exiting)."""
+    if _shut_down and os.getpid() == _pid:
+        raise RuntimeError(
+            "torch_ipc: this process is exiting and has already unlinked its shared memory; "
+            "nothing can be exported any more (send before the main function returns, or "
+            "join the threads that send)"
+        )
+
+
 def _at_exit() -> None:
-    if os.getpid() != _pid:  # this process never used torch_ipc (it inherited the hook)
+    global _shut_down
+    if os.getpid() != _pid or _shut_down:  # not this process's hook, or run already
         return
     _stop.set()
+    if _thread is not None and _thread is not threading.current_thread():
+        # The collector runs without the GIL; it must not be inside _C when
+        # the interpreter finalizes (a daemon thread that takes the GIL back
+        # then is ended in the middle of C++ code).
+        _thread.join(_JOIN_TIMEOUT_S)
+    _shut_down = True
     try:
         _C.collect(False)
         s = _C.stats()

@@ -239,6 +239,7 @@ def export(tensors, parameters, payload: bytes, *, consumers: int = 1, isolated:
     """Export what :func:`split` returned: an ``_C.Export`` whose ``.data`` is
     the descriptor, and whose ``revoke()`` gives back what nobody will load."""
     _runtime.ensure_started()
+    _runtime.check_not_shut_down()
     if isolated:
         from .pool import isolate_tensors
 
@@ -292,7 +293,17 @@ def loads(data: bytes) -> Any:
     if not _cuda_ready and len(data) > 6 and data[6] & _HAS_CUDA:
         _C.describe(data)  # a malformed descriptor is a DescriptorError, not a CUDA problem
         _ensure_cuda()
-    tensors, is_parameter, payload = _C.import_tensors(data)
+    # A load that fails from here on spends nothing at the producers (Note [a
+    # load spends last] in import.cpp): the tensors die with their holds, and
+    # the token stays for a retry. Only a complete load commits.
+    tensors, is_parameter, payload, pending = _C.import_pending(data)
+    obj = _rebuild(tensors, is_parameter, payload)
+    pending.commit()
+    return obj
+
+
+def _rebuild(tensors, is_parameter, payload: bytes) -> Any:
+    """The object of a payload, on the tensors of its load."""
     for i, is_param in enumerate(is_parameter):
         if is_param:
             tensors[i] = torch.nn.Parameter(tensors[i], requires_grad=tensors[i].requires_grad)

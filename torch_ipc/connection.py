@@ -1,9 +1,9 @@
 """Listener/Client over multiprocessing.connection, carrying tensors zero-copy.
 
 Every message is one descriptor (see torch_ipc.dumps). An authkey is always
-required. The two sides exchange pids after authentication, so that what one
-side sent and the other never loaded is given back when the peer closes the
-connection or dies (Note [connection lifetime]).
+required. Each side learns the other's pid after authentication, so that
+what one side sent and the other never loaded is given back when the peer
+closes the connection or dies (Note [connection lifetime]).
 """
 
 import os
@@ -12,6 +12,7 @@ import socket
 import struct
 import sys
 import threading
+import warnings
 import weakref
 from multiprocessing import AuthenticationError
 from multiprocessing import connection as mpc
@@ -163,12 +164,80 @@ class Connection:
             pass
 
 
+# Note [peer pid]
+# Both sides send their pid after authentication, but a pid that the peer
+# says is only as true as the peer: one that names another process would make
+# us revoke what we sent when that process exits, or keep it while the real
+# peer is long gone. Where the transport knows the peer (a Unix socket:
+# SO_PEERCRED, the pid of the process that connected or listened, as our PID
+# namespace sees it) that pid is taken; the one sent counts only over TCP.
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _peer_pid_from_kernel(conn: mpc.Connection) -> int:
+    """The peer's pid by SO_PEERCRED, or 0 where the transport has none."""
+    try:
+        sock = socket.socket(fileno=conn.fileno())
+    except OSError:
+        return 0
+    try:
+        if sock.family != socket.AF_UNIX:
+            return 0
+        pid, _, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        return pid
+    except OSError:
+        return 0
+    finally:
+        sock.detach()
+
+
 def _exchange_pids(conn: mpc.Connection) -> int:
     conn.send_bytes(struct.pack("<I", os.getpid()))
     data = conn.recv_bytes(16)
     if len(data) != 4:
         raise ConnectionError("torch_ipc: the peer is not a torch_ipc endpoint")
-    return struct.unpack("<I", data)[0]
+    said = struct.unpack("<I", data)[0]
+    return _peer_pid_from_kernel(conn) or said  # Note [peer pid]
+
+
+# Note [handshake time limit]
+# Listener.accept() authenticates each client before returning it. A client
+# that connects and then hangs up, or connects and says nothing, must neither
+# raise out of accept() nor block it: every read and write of the handshake
+# gives up after `handshake_timeout` seconds (SO_RCVTIMEO/SO_SNDTIMEO, since
+# multiprocessing reads the socket with blocking os.read), the client is
+# closed with a warning, and accept() waits for the next one.
+_HANDSHAKE_ERRORS = (AuthenticationError, EOFError, OSError)
+
+
+def _set_io_timeout(conn: mpc.Connection, seconds: float) -> None:
+    """Let each read and write on ``conn`` wait at most ``seconds`` (0: forever)."""
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        whole = int(seconds)
+        value = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+    finally:
+        sock.detach()
+
+
+def _accept_handshake(conn: mpc.Connection, authkey: bytes, timeout: float) -> int:
+    """Authenticate a client that just connected; its pid."""
+    _set_io_timeout(conn, timeout)
+    mpc.deliver_challenge(conn, authkey)
+    mpc.answer_challenge(conn, authkey)
+    pid = _exchange_pids(conn)
+    _set_io_timeout(conn, 0)
+    return pid
+
+
+def _refusal(e: BaseException, timeout: float) -> str:
+    if isinstance(e, BlockingIOError):  # what a read or write past SO_*TIMEO raises
+        return f"it did not finish the handshake within {timeout:g} s"
+    if isinstance(e, (EOFError, BrokenPipeError, ConnectionResetError)):
+        return "it hung up during the handshake"
+    return str(e) or type(e).__name__
 
 
 def _with_address(error: OSError, what: str, todo: str) -> OSError:
@@ -194,15 +263,20 @@ class Listener:
         *,
         authkey: Optional[bytes] = None,
         backlog: int = 16,
+        handshake_timeout: float = 10.0,
     ):
+        if not handshake_timeout > 0:
+            raise ValueError(f"handshake_timeout must be positive, got {handshake_timeout!r}")
         generated = authkey is None
         if generated:
             authkey = secrets.token_hex(16).encode()
         if not isinstance(authkey, bytes) or not authkey:
             raise TypeError("authkey must be non-empty bytes")
         self.authkey = authkey
+        self.handshake_timeout = float(handshake_timeout)
+        # No authkey here: accept() authenticates, with a time limit.
         try:
-            self._listener = mpc.Listener(address, family, backlog=backlog, authkey=authkey)
+            self._listener = mpc.Listener(address, family, backlog=backlog)
         except OSError as e:
             raise _with_address(e, f"cannot listen at {address!r}", "pick a free address") from None
         if generated:
@@ -214,17 +288,22 @@ class Listener:
         return self._listener.address
 
     def accept(self) -> Connection:
-        """Wait for an authenticated client. Clients with a wrong authkey are
-        refused (they get AuthenticationError) and skipped with a warning."""
+        """Wait for an authenticated client. Clients with a wrong authkey, and
+        clients that hang up or stay silent during the handshake (longer than
+        ``handshake_timeout`` seconds), are refused and skipped with a warning
+        (Note [handshake time limit])."""
         while True:
+            if self._listener is None:
+                raise OSError("torch_ipc: the listener is closed")
+            conn = self._listener.accept()
             try:
-                conn = self._listener.accept()
-            except AuthenticationError as e:
-                import warnings
-
-                warnings.warn(f"torch_ipc: refused a client: {e}", RuntimeWarning)
-                continue
-            return Connection(conn, _exchange_pids(conn))
+                return Connection(conn, _accept_handshake(conn, self.authkey, self.handshake_timeout))
+            except _HANDSHAKE_ERRORS as e:
+                conn.close()
+                warnings.warn(f"torch_ipc: refused a client: {_refusal(e, self.handshake_timeout)}", RuntimeWarning)
+            except BaseException:
+                conn.close()
+                raise
 
     def close(self) -> None:
         """Stop listening. Idempotent."""
@@ -239,10 +318,12 @@ class Listener:
         self.close()
 
 
-def listen(address: Optional[Address] = None, *, authkey: Optional[bytes] = None) -> Listener:
+def listen(
+    address: Optional[Address] = None, *, authkey: Optional[bytes] = None, handshake_timeout: float = 10.0
+) -> Listener:
     """Listen for torch_ipc clients at ``address`` (a Unix socket path, or a
     (host, port) pair; None picks a fresh Unix socket)."""
-    return Listener(address, authkey=authkey)
+    return Listener(address, authkey=authkey, handshake_timeout=handshake_timeout)
 
 
 def Client(address: Address, family: Optional[str] = None, authkey: Optional[bytes] = None) -> Connection:

@@ -48,5 +48,6 @@ class DeviceNotFoundError(RuntimeError):
 
 
 class HolderLimitError(RuntimeError):
-    """One export is held by as many processes as it has room for (14): load
-    it in fewer processes at once, or export once per group of consumers."""
+    """One export is held by as many living processes as it has room for (14):
+    load it in fewer processes at once, or export once per group of consumers.
+    Processes that died holding it do not count."""

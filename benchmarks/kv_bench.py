@@ -1,0 +1,349 @@
+#!/usr/bin/env python3
+"""torch_ipc.kv.SharedKVPool against its floors, each measured in the same run.
+
+    python benchmarks/kv_bench.py [--only handover,attach,gather] [--pool-gib 40] [--json out.json]
+    python benchmarks/kv_bench.py --device cpu --only handover,gather   # no GPU: the CPU pool
+
+Rows (medians; the ratio or difference against the floor, and the target):
+
+handover  A writer process hands 256 block ids with its ordering signal to a
+          reader (``pool.send`` / ``pool.recv`` over a torch_ipc Connection,
+          the blocks taken over), which then reads one element of the first
+          block (a device-to-host copy); timed by the reader from its "go" to
+          the read's return. Floor: the same Connection's round trip with a
+          message of the same size and no pool (the writer writes the same
+          element before either reply). Target: <= +30 us. Also shown:
+          the read alone, so the hand-over's own cost is visible.
+attach    A fresh process attaches to a pool of --pool-gib GiB (SharedPool
+          memory, --attach-chunks allocations) and maps it: from
+          ``SharedKVPool.attach`` to its return. Floor: the driver's own fd
+          transfer (SCM_RIGHTS) + cuMemImportFromShareableHandle + reserve +
+          cuMemMap + cuMemSetAccess of allocations of the same sizes, in
+          another fresh process. Target: <= 1.5x.
+gather    That process gathers 256 random blocks into one contiguous buffer
+          (``pool.gather``); floor: one device copy of as many bytes. Target:
+          >= 80% of the copy's bandwidth (bytes read + written per second).
+
+The block is [2, layers, block_size, heads, head_dim] = [2, 32, 16, 8, 128]
+bfloat16 (2 MiB) unless --block-shape says otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import multiprocessing as mp
+import os
+import random
+import socket
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+TIMEOUT = 300
+AUTHKEY = b"torch_ipc-kv-bench"
+N_IDS = 256
+
+
+def median_us(ns):
+    return statistics.median(ns) / 1e3
+
+
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- hand-over
+
+
+def handover_writer(address, data, block_shape, dtype, iters, warmup):
+    import torch_ipc
+    from torch_ipc.kv import SharedKVPool
+
+    pool = SharedKVPool.attach(data, block_shape, dtype)
+    with torch_ipc.connect(address, authkey=AUTHKEY) as conn:
+        # The channel's own round trip: a message of the hand-over's size.
+        plain = ("x" * 16, "y" * 30, 1, 2, 3, True, bytes(8 * N_IDS), b"e" * 90, None)
+        ids = pool.allocate(N_IDS)
+        for _ in range(warmup + iters):
+            conn.recv()
+            pool.block(ids[0]).view(-1)[:1].fill_(1)  # the same writes as below
+            conn.send(plain)
+        for _ in range(warmup + iters):
+            conn.recv()
+            pool.block(ids[0]).view(-1)[:1].fill_(1)  # the writes the signal orders
+            pool.send(ids, conn)
+            ids = pool.allocate(N_IDS)  # the next round's, while the reader works
+        conn.recv()
+    pool.close()
+
+
+def bench_handover(args, device, dtype, block_shape):
+    import torch_ipc
+    from torch_ipc.kv import SharedKVPool
+
+    num_blocks = 4 * N_IDS + 8
+    pool = SharedKVPool(num_blocks, block_shape, dtype, device)
+    data = torch_ipc.dumps(pool)
+    ctx = mp.get_context("spawn")
+    with torch_ipc.listen(authkey=AUTHKEY) as listener:
+        writer = ctx.Process(
+            target=handover_writer, args=(listener.address, data, block_shape, dtype, args.iters, args.warmup)
+        )
+        writer.start()
+        try:
+            conn = listener.accept()
+            floor, handover, read = [], [], []
+            for i in range(args.warmup + args.iters):
+                t0 = time.perf_counter_ns()
+                conn.send(b"go")
+                conn.recv()
+                if i >= args.warmup:
+                    floor.append(time.perf_counter_ns() - t0)
+            for i in range(args.warmup + args.iters):
+                t0 = time.perf_counter_ns()
+                conn.send(b"go")
+                got = pool.recv(conn)
+                pool.block(got.ids[0]).view(-1)[0].item()  # the first read returns
+                t1 = time.perf_counter_ns()
+                pool.block(got.ids[1]).view(-1)[0].item()  # a read alone, for comparison
+                t2 = time.perf_counter_ns()
+                if i >= args.warmup:
+                    handover.append(t1 - t0)
+                    read.append(t2 - t1)
+                pool.free(got.ids)
+            conn.send(b"end")
+            conn.close()
+            writer.join(TIMEOUT)
+        finally:
+            if writer.is_alive():
+                writer.kill()
+    pool.close()
+    f, h, r = median_us(floor), median_us(handover), median_us(read)
+    return [
+        row("handover: channel round trip (floor)", f, "us"),
+        row(f"handover: {N_IDS} ids + signal until first read", h, "us", delta=h - f, target="<= +30 us",
+            ok=h - f <= 30),
+        row("handover: one read alone (in the above)", r, "us"),
+        row("handover: own cost without the read", h - f - r, "us"),
+    ]
+
+
+# ----------------------------------------------------------------------------- attach and gather
+
+
+def floor_consumer(sock, sizes, results):
+    """The driver's open/map of allocations of `sizes` bytes, fds from the producer."""
+    from vmm_floor import POSIX_FD, Driver
+
+    cu = Driver()
+    prop, access = cu.prop(), cu.access()
+    gran = ctypes.c_size_t()
+    cu("cuMemGetAllocationGranularity", ctypes.byref(gran), ctypes.byref(prop), 0)
+    sock.sendall(b"go")
+    t0 = time.perf_counter_ns()
+    fds = []
+    while len(fds) < len(sizes):
+        _, got, _, _ = socket.recv_fds(sock, 16, 250)
+        fds += got
+    handles, mapped = [], []
+    for fd, size in zip(fds, sizes):
+        h = ctypes.c_ulonglong()
+        cu("cuMemImportFromShareableHandle", ctypes.byref(h), ctypes.c_void_p(fd), POSIX_FD)
+        os.close(fd)
+        va = ctypes.c_ulonglong()
+        cu("cuMemAddressReserve", ctypes.byref(va), ctypes.c_size_t(size), ctypes.c_size_t(gran.value),
+           ctypes.c_ulonglong(0), ctypes.c_ulonglong(0))
+        cu("cuMemMap", va, ctypes.c_size_t(size), ctypes.c_size_t(0), h, ctypes.c_ulonglong(0))
+        cu("cuMemSetAccess", va, ctypes.c_size_t(size), ctypes.byref(access), ctypes.c_size_t(1))
+        handles.append(h)
+        mapped.append((va, size))
+    elapsed = time.perf_counter_ns() - t0
+    for (va, size), h in zip(mapped, handles):
+        cu("cuMemUnmap", va, ctypes.c_size_t(size))
+        cu("cuMemRelease", h)
+        cu("cuMemAddressFree", va, ctypes.c_size_t(size))
+    results.put(elapsed)
+
+
+def measure_floor(sizes):
+    """Create allocations of `sizes` with cuMemCreate, time a fresh process's open/map, free them."""
+    from vmm_floor import POSIX_FD, Driver
+
+    cu = Driver()
+    prop = cu.prop()
+    gran = ctypes.c_size_t()
+    cu("cuMemGetAllocationGranularity", ctypes.byref(gran), ctypes.byref(prop), 0)
+    sizes = [(s + gran.value - 1) // gran.value * gran.value for s in sizes]
+    handles = []
+    for size in sizes:
+        h = ctypes.c_ulonglong()
+        cu("cuMemCreate", ctypes.byref(h), ctypes.c_size_t(size), ctypes.byref(prop), ctypes.c_ulonglong(0))
+        handles.append(h)
+    ctx = mp.get_context("spawn")
+    ours, theirs = socket.socketpair()
+    results = ctx.Queue()
+    child = ctx.Process(target=floor_consumer, args=(theirs, sizes, results))
+    child.start()
+    try:
+        ours.settimeout(TIMEOUT)
+        ours.recv(2)
+        fds = []
+        for h in handles:
+            fd = ctypes.c_int(-1)
+            cu("cuMemExportToShareableHandle", ctypes.byref(fd), h, POSIX_FD, ctypes.c_ulonglong(0))
+            fds.append(fd.value)
+        for i in range(0, len(fds), 250):
+            socket.send_fds(ours, [b"f"], fds[i:i + 250])
+        for fd in fds:
+            os.close(fd)
+        elapsed = results.get(timeout=TIMEOUT)
+        child.join(TIMEOUT)
+    finally:
+        if child.is_alive():
+            child.kill()
+        for h in handles:
+            cu("cuMemRelease", h)
+    return elapsed
+
+
+def attach_and_gather(data, block_shape, dtype, num_blocks, gather_iters, results):
+    import torch_ipc  # noqa: F401
+    from torch_ipc.kv import SharedKVPool
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.zeros(1, device=device)  # the context, before timing
+    t0 = time.perf_counter_ns()
+    pool = SharedKVPool.attach(data, block_shape, dtype)
+    attach_ns = time.perf_counter_ns() - t0
+    device = str(pool.device)
+    rng = random.Random(0)
+    ids = rng.sample(range(num_blocks), N_IDS)
+    out = torch.empty((N_IDS, *block_shape), dtype=dtype, device=device)
+    src = torch.empty_like(out)
+    dst = torch.empty_like(out)
+
+    def timed(fn):
+        fn()
+        sync(device)
+        ns = []
+        for _ in range(gather_iters):
+            t = time.perf_counter_ns()
+            fn()
+            sync(device)
+            ns.append(time.perf_counter_ns() - t)
+        return statistics.median(ns)
+
+    gather_ns = timed(lambda: pool.gather(ids, out=out))
+    copy_ns = timed(lambda: dst.copy_(src))
+    ok = torch.equal(out[3], pool.block(ids[3]))
+    pool.close()
+    results.put((attach_ns, gather_ns, copy_ns, out.numel() * out.element_size(), ok))
+
+
+def bench_attach_gather(args, device, dtype, block_shape, only):
+    import torch_ipc
+    from torch_ipc.kv import SharedKVPool
+
+    block_bytes = torch.empty(block_shape, dtype=dtype, device="meta").numel() * dtype.itemsize
+    num_blocks = max(N_IDS, int(args.pool_gib * 2**30) // block_bytes)
+    rows = []
+    ctx = mp.get_context("spawn")
+    for chunks in [int(c) for c in args.attach_chunks.split(",")] if "attach" in only else [1]:
+        per_chunk = -(-num_blocks // chunks)
+        sizes = [min(per_chunk, num_blocks - first) * block_bytes for first in range(0, num_blocks, per_chunk)]
+        floor_ns = measure_floor(sizes) if device == "cuda" and "attach" in only else None
+        pool = SharedKVPool(num_blocks, block_shape, dtype, device, blocks_per_chunk=per_chunk)
+        sync(device)
+        results = ctx.Queue()
+        child = ctx.Process(
+            target=attach_and_gather,
+            args=(torch_ipc.dumps(pool), block_shape, dtype, num_blocks, args.iters // 4 or 1, results),
+        )
+        child.start()
+        try:
+            attach_ns, gather_ns, copy_ns, nbytes, same = results.get(timeout=TIMEOUT)
+            child.join(TIMEOUT)
+        finally:
+            if child.is_alive():
+                child.kill()
+        pool.close()
+        del pool
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        gib = num_blocks * block_bytes / 2**30
+        if "attach" in only:
+            label = f"attach: {gib:.1f} GiB in {len(sizes)} allocation(s)"
+            if floor_ns is not None:
+                rows.append(row(label + " (driver floor)", floor_ns / 1e6, "ms"))
+                rows.append(row(label, attach_ns / 1e6, "ms", ratio=attach_ns / floor_ns, target="<= 1.5x",
+                                ok=attach_ns <= 1.5 * floor_ns))
+            else:
+                rows.append(row(label, attach_ns / 1e6, "ms"))
+        if "gather" in only and chunks == int(args.attach_chunks.split(",")[0]):
+            copy_bw, gather_bw = 2 * nbytes / copy_ns, 2 * nbytes / gather_ns  # bytes read + written per ns
+            rows.append(row(f"gather: device copy of {nbytes / 2**20:.0f} MiB (floor)", copy_bw, "GB/s"))
+            rows.append(row(f"gather: {N_IDS} random blocks into one buffer", gather_bw, "GB/s",
+                            ratio=gather_bw / copy_bw, target=">= 0.8x", ok=same and gather_bw >= 0.8 * copy_bw))
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def row(name, value, unit, *, delta=None, ratio=None, target=None, ok=None):
+    return {"name": name, "value": value, "unit": unit, "delta": delta, "ratio": ratio, "target": target, "ok": ok}
+
+
+def print_rows(rows):
+    print(f"{'measurement':<58}{'value':>14}  {'vs floor':>12}  target")
+    for r in rows:
+        vs = ""
+        if r["delta"] is not None:
+            vs = f"{r['delta']:+.1f} {r['unit']}"
+        elif r["ratio"] is not None:
+            vs = f"{r['ratio']:.2f}x"
+        verdict = "" if r["ok"] is None else ("ok" if r["ok"] else "MISSED")
+        print(f"{r['name']:<58}{r['value']:>10.2f} {r['unit']:<4}  {vs:>12}  {r['target'] or ''} {verdict}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="handover,attach,gather")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--pool-gib", type=float, default=40.0)
+    ap.add_argument("--attach-chunks", default="1,40", help="allocations of the attach pool, one run each")
+    ap.add_argument("--block-shape", default="2,32,16,8,128")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    only = set(args.only.split(","))
+    device = args.device
+    dtype = getattr(torch, args.dtype)
+    block_shape = tuple(int(s) for s in args.block_shape.split(","))
+    if device == "cpu":
+        only.discard("attach")  # the floor is the CUDA driver's
+        args.pool_gib = min(args.pool_gib, 1.0)
+    print(f"device: {device}" + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else "")
+          + f"; block {list(block_shape)} {args.dtype}")
+    rows = []
+    if "handover" in only:
+        rows += bench_handover(args, device, dtype, block_shape)
+    if only & {"attach", "gather"}:
+        rows += bench_attach_gather(args, device, dtype, block_shape, only)
+    print_rows(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "block_shape": block_shape, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
