@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
+import sys
 import threading
 import time
 
@@ -205,6 +206,11 @@ def main():
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--json")
     args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("vmm_floor.py measures CUDA's VMM sharing and needs a GPU; torch here sees none "
+                 f"(torch {torch.__version__}); run it on a machine with a CUDA GPU")
     chunk_bytes = args.chunk_mib << 20
 
     cu = Driver()

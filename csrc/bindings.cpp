@@ -134,6 +134,8 @@ py::dict stats() {
   out["tokens_pending"] = e.tokens_pending;
   out["holders"] = e.holders;
   out["dead_holders"] = e.dead_holders;
+  out["held_bytes"] = e.held_bytes;
+  out["held_cuda_ipc_bytes"] = e.held_cuda_ipc_bytes;
   py::list oldest;
   for (const PinnedExport& p : e.oldest) {
     py::dict r;

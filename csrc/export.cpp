@@ -316,6 +316,11 @@ ExportStats export_stats() {
       s.oldest.back() = p;
       std::push_heap(s.oldest.begin(), s.oldest.end(), younger);
     }
+    if (c.holders <= c.dead_holders) return;
+    s.held_bytes += static_cast<int64_t>(r.bytes);
+    for (size_t i = 0; i < r.storages.size(); ++i)
+      if (r.locations[i].alloc.kind == AllocKind::CudaIpc)
+        s.held_cuda_ipc_bytes += static_cast<int64_t>(r.storages[i].nbytes());
   });
   std::sort(s.oldest.begin(), s.oldest.end(), younger);
   return s;

@@ -67,6 +67,9 @@ constexpr size_t kOldestExportsShown = 16;
 
 struct ExportStats {
   int64_t exports, exported_bytes, tokens_pending, holders, dead_holders;
+  // Bytes of exports that a living consumer holds, and how many of them are
+  // legacy CUDA IPC memory (gone for those consumers when this process exits).
+  int64_t held_bytes, held_cuda_ipc_bytes;
   std::vector<PinnedExport> oldest;  // at most kOldestExportsShown, oldest first
 };
 ExportStats export_stats();

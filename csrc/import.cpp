@@ -216,6 +216,12 @@ std::shared_ptr<Mapping> get_mapping(Consumer& c, const Allocation& where, const
 
 // ---------------------------------------------------------------- the steps of a load
 
+// "CPU tensors", "CUDA tensors" or both, as the descriptor's header says.
+std::string tensor_kinds(const Descriptor& d) {
+  const bool cuda = d.flags & kHasCuda, cpu = d.flags & kHasCpu;
+  return cuda && cpu ? "CPU and CUDA tensors" : cuda ? "CUDA tensors" : cpu ? "CPU tensors" : "tensors";
+}
+
 // Step 1: a descriptor of this machine's boot whose producer lives, and
 // nothing in it that can be refused without asking its producer.
 Descriptor decode_and_check(const std::string& data, Liveness& alive) {
@@ -225,7 +231,9 @@ Descriptor decode_and_check(const std::string& data, Liveness& alive) {
         "torch_ipc descriptor comes from another machine or from before this machine's last "
         "boot; handles are valid only on the machine and boot that made them");
   if (d.producer != self_process() && !alive(d.producer))
-    throw producer_gone(d.producer.pid, "its CUDA memory is gone with it");
+    throw producer_gone(d.producer.pid, "the " + tensor_kinds(d) +
+                                            " it shared can no longer be loaded; export them "
+                                            "again from a running process");
   for (const AllocRecord& a : d.allocs)
     if (a.kind == AllocKind::CpuShm) host_name(a.handle);  // throws on a name that is not ours to open
   return d;

@@ -45,7 +45,12 @@ def producer(path, timeout, spawn_consumer):
     try:
         if spawn_consumer:
             cmd = [sys.executable, os.path.abspath(__file__), "--role", "consumer", "--path", path]
-            subprocess.run(cmd, check=True, timeout=timeout)
+            try:
+                subprocess.run(cmd, check=True, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                sys.exit(f"FAILED: the consumer did not finish in {timeout:g} s")
+            except subprocess.CalledProcessError as e:
+                sys.exit(f"FAILED: the consumer exited with code {e.returncode}")
         else:
             print(f"producer: waiting for a consumer: python {sys.argv[0]} --role consumer --path {path}")
             deadline = time.monotonic() + timeout
@@ -65,6 +70,9 @@ def producer(path, timeout, spawn_consumer):
 
 
 def consumer(path):
+    if not os.path.exists(path):
+        sys.exit(f"FAILED: no descriptor at {path}; start the producer first: "
+                 f"python {sys.argv[0]} --role producer --path {path}")
     with open(path, "rb") as f:
         y = torch_ipc.loads(f.read())  # the producer's memory
     print(f"consumer: loaded a {tuple(y.shape)} tensor on {y.device}")
@@ -95,4 +103,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:  # a one-line reason, not a traceback
+        sys.exit(f"FAILED: {e}")

@@ -33,10 +33,7 @@ def main():
     if not args.authkey:
         ap.error("give the server's key with --authkey or TORCH_IPC_AUTHKEY")
 
-    try:
-        conn = torch_ipc.connect(parse_address(args.address), authkey=args.authkey.encode())
-    except AuthenticationError as e:
-        sys.exit(f"FAILED: {e}")
+    conn = torch_ipc.connect(parse_address(args.address), authkey=args.authkey.encode())
     with conn:
         if not conn.poll(TIMEOUT):
             sys.exit("FAILED: the server sent nothing")
@@ -55,4 +52,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (OSError, EOFError, RuntimeError, ValueError, AuthenticationError) as e:  # a one-line reason, not a traceback
+        sys.exit(f"FAILED: {e}")

@@ -37,7 +37,7 @@ def show_address(address):
 
 
 def on_alarm(*_):
-    raise TimeoutError("no client connected in time")
+    raise TimeoutError("no client connected in time (--timeout)")
 
 
 def main():
@@ -77,4 +77,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (OSError, EOFError, RuntimeError, ValueError) as e:  # a one-line reason, not a traceback
+        sys.exit(f"FAILED: {e}")

@@ -76,4 +76,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (OSError, RuntimeError, ValueError) as e:  # a one-line reason, not a traceback
+        sys.exit(f"FAILED: {e}")

@@ -8,11 +8,15 @@ import sys
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import torch_ipc
+
+# Children import the torch_ipc this process imported: the installed package,
+# or the checkout's in-place build (the checkout has no _C after an install).
+IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(torch_ipc.__file__)))
 
 
 def _doctor(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=IMPORT_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "torch_ipc", "doctor", *args], env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
@@ -61,5 +65,5 @@ def test_doctor_prints_a_table_and_says_how_to_call_it():
     assert lines[0].split() == ["check", "status", "detail"], lines[:2]
     assert any(line.startswith("/dev/shm") for line in lines), r.stdout
     bad = subprocess.run([sys.executable, "-m", "torch_ipc"], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=REPO))  # fmt: skip
+                         env=dict(os.environ, PYTHONPATH=IMPORT_ROOT))  # fmt: skip
     assert bad.returncode == 2 and "usage: python -m torch_ipc doctor" in bad.stderr

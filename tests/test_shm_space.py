@@ -13,7 +13,11 @@ import textwrap
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import torch_ipc
+
+# Children import the torch_ipc this process imported: the installed package,
+# or the checkout's in-place build (the checkout has no _C after an install).
+IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(torch_ipc.__file__)))
 
 # Runs in a child whose /dev/shm (or file size limit) is small. Prints one JSON line.
 _SHARE = """
@@ -37,7 +41,7 @@ print(json.dumps(out))
 
 
 def _share(prefix, limit: int, nbytes: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=IMPORT_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([*prefix, sys.executable, "-c", _SHARE, str(limit), str(nbytes)],
                        env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, f"the child died ({r.returncode}):\n{r.stderr[-3000:]}"

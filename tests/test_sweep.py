@@ -21,7 +21,9 @@ from torch_ipc.testing import Peer
 
 import ipc_test_utils as u
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Children import the torch_ipc this process imported: the installed package,
+# or the checkout's in-place build (the checkout has no _C after an install).
+IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(torch_ipc.__file__)))
 SHM = "/dev/shm"
 
 
@@ -76,7 +78,7 @@ def _pidfds_after_sweep():
 
 
 def _run(script: str, *args: str, timeout: float = 120, prefix=()) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=IMPORT_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([*prefix, sys.executable, "-c", textwrap.dedent(script), *args], env=env,
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
@@ -151,7 +153,7 @@ def _unshare_works() -> bool:
 def test_a_live_producer_in_another_pid_namespace_keeps_its_files():
     """docker --ipc=host: the producer's pid means nothing here (in its own
     namespace it is pid 1, here pid 1 is init); its lock says it lives."""
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=IMPORT_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     child = subprocess.Popen(["unshare", "-Urpf", "--mount-proc", sys.executable, "-c", _NAMESPACED_PRODUCER],
                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
     inner_pid = 0

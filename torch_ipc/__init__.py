@@ -7,7 +7,13 @@
 
 import torch  # noqa: F401  (loads libc10/libtorch before the extension)
 
-from . import _C
+from ._torch_check import check_built_torch, extension_import_error
+
+check_built_torch()
+try:
+    from . import _C
+except ImportError as e:
+    raise extension_import_error(e) from e
 from ._reductions import init_reductions, reductions, restore_reductions
 from ._serialize import dumps, loads
 from .connection import Client, Connection, Listener, connect, listen
@@ -57,7 +63,9 @@ def stats() -> dict:
 
     exports / exported_bytes: live exports of this process and their bytes;
     tokens_pending: loads still expected; holders / dead_holders: processes
-    holding our exports (dead ones until the next collect);
+    holding our exports (dead ones until the next collect); held_bytes /
+    held_cuda_ipc_bytes: bytes of our exports that living consumers hold, and
+    how many of them are legacy CUDA IPC memory (lost to them when we exit);
     oldest_exports: the 16 oldest live exports, oldest first, each a dict of
     age_s, bytes, tokens_pending, holders and dead_holders (an old one is
     pinned by a load that never came, or by a holder that keeps it);

@@ -130,6 +130,19 @@ def ensure_started() -> None:
         _started = True
 
 
+def exit_warning(s: dict) -> str:
+    """What an exiting producer tells about the legacy CUDA IPC memory its
+    consumers still hold (CPU shared memory and VMM memory they mapped stay
+    valid after it exits: lifetime rule 7)."""
+    living = s["holders"] - s["dead_holders"]
+    return (
+        f"torch_ipc: this process exits while {living} consumer process(es) still hold "
+        f"{s['held_cuda_ipc_bytes']} bytes of its CUDA memory shared through legacy CUDA IPC, "
+        "which goes with it; keep it running until they drop those tensors, or share "
+        "VMM memory (expandable segments, SharedPool), which outlives it"
+    )
+
+
 def check_not_shut_down() -> None:
     """Raise if this process already shut torch_ipc down (it is exiting)."""
     if _shut_down and os.getpid() == _pid:
@@ -154,13 +167,8 @@ def _at_exit() -> None:
     try:
         _C.collect(False)
         s = _C.stats()
-        living = s["holders"] - s["dead_holders"]
-        if living > 0:
-            warnings.warn(
-                f"torch_ipc: this process exits while {living} consumer process(es) still hold "
-                f"{s['exported_bytes']} bytes it exported; that memory goes with it",
-                RuntimeWarning,
-            )
+        if s["held_cuda_ipc_bytes"] > 0:
+            warnings.warn(exit_warning(s), RuntimeWarning)
         _C.shutdown()
     except Exception:
         pass

@@ -285,8 +285,10 @@ def loads(data: bytes) -> Any:
     The payload is unpickled: load descriptors only from peers you trust, as
     with :func:`pickle.loads`.
     """
-    if not isinstance(data, bytes):
-        data = bytes(data)
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"torch_ipc.loads() takes the bytes that dumps() returned, not {type(data).__name__}"
+                        + ("; keep descriptors as bytes (files opened 'rb'/'wb')" if isinstance(data, str) else ""))
+    data = bytes(data)
     _runtime.ensure_started()
     if not _cuda_ready and len(data) > 6 and data[6] & _HAS_CUDA:
         _C.describe(data)  # a malformed descriptor is a DescriptorError, not a CUDA problem

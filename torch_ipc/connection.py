@@ -240,6 +240,12 @@ def _refusal(e: BaseException, timeout: float) -> str:
     return str(e) or type(e).__name__
 
 
+def _with_address(error: OSError, what: str, todo: str) -> OSError:
+    """The same OSError (class and errno kept) with the address and what to do."""
+    reason = error.strerror or str(error)
+    return type(error)(error.errno, f"torch_ipc: {what}: {reason}; {todo}")
+
+
 class Listener:
     """Accept torch_ipc connections. ``authkey=None`` generates a random key,
     available as ``.authkey`` and printed to stderr so a client can be given it.
@@ -261,15 +267,21 @@ class Listener:
     ):
         if not handshake_timeout > 0:
             raise ValueError(f"handshake_timeout must be positive, got {handshake_timeout!r}")
-        if authkey is None:
+        generated = authkey is None
+        if generated:
             authkey = secrets.token_hex(16).encode()
-            print(f"torch_ipc: generated authkey {authkey.decode()}", file=sys.stderr)
         if not isinstance(authkey, bytes) or not authkey:
             raise TypeError("authkey must be non-empty bytes")
         self.authkey = authkey
         self.handshake_timeout = float(handshake_timeout)
         # No authkey here: accept() authenticates, with a time limit.
-        self._listener = mpc.Listener(address, family, backlog=backlog)
+        try:
+            self._listener = mpc.Listener(address, family, backlog=backlog)
+        except OSError as e:
+            raise _with_address(e, f"cannot listen at {address!r}", "pick a free address") from None
+        if generated:
+            print(f"torch_ipc: listening at {self.address!r}; clients connect with "
+                  f"torch_ipc.connect({self.address!r}, authkey={authkey!r})", file=sys.stderr)
 
     @property
     def address(self) -> Address:
@@ -331,6 +343,9 @@ def Client(address: Address, family: Optional[str] = None, authkey: Optional[byt
         conn = mpc.Client(address, family, authkey=authkey)
     except AuthenticationError as e:
         raise AuthenticationError(f"torch_ipc: the listener at {address!r} refused this authkey ({e})") from None
+    except OSError as e:
+        raise _with_address(e, f"cannot connect to {address!r}",
+                            "start the listener first, or check the address") from None
     return Connection(conn, _exchange_pids(conn))
 
 
