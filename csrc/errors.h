@@ -10,11 +10,12 @@
 // torch_ipc's own checks throw these types, which gather nothing.
 #pragma once
 
-#include <c10/util/StringUtil.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+
+#include "str.h"
 
 namespace torch_ipc {
 
@@ -98,10 +99,11 @@ struct InvalidUse : std::runtime_error {
 }  // namespace torch_ipc
 
 // TORCH_CHECK, TORCH_CHECK_VALUE, TORCH_CHECK_INDEX without a c10::Error
-// (Note [no c10 errors]).
+// (Note [no c10 errors]), their messages built by torch_ipc::str (Note
+// [messages without iostreams]).
 #define TORCH_IPC_CHECK_AS(type, cond, ...) \
   do {                                      \
-    if (!(cond)) throw type(::c10::str(__VA_ARGS__)); \
+    if (!(cond)) throw type(::torch_ipc::str(__VA_ARGS__)); \
   } while (0)
 #define TORCH_IPC_CHECK(cond, ...) TORCH_IPC_CHECK_AS(::torch_ipc::InvalidUse, cond, __VA_ARGS__)
 #define TORCH_IPC_CHECK_VALUE(cond, ...) TORCH_IPC_CHECK_AS(::torch_ipc::InvalidValue, cond, __VA_ARGS__)

@@ -103,8 +103,9 @@ at::Tensor vmm_pool_empty(const std::vector<int64_t>& sizes, c10::ScalarType dty
   a->size = (std::max<uint64_t>(nbytes, 1) + granularity - 1) / granularity * granularity;
   CUresult r = driver().cuMemCreate(&a->handle, a->size, &prop, 0);
   if (r == CUDA_ERROR_OUT_OF_MEMORY)
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "torch_ipc.SharedPool: out of memory allocating ",
-                     a->size, " bytes on CUDA device ", device);
+    TORCH_CHECK_WITH(OutOfMemoryError, false,  // one string: no stream (Note [messages without iostreams])
+                     str("torch_ipc.SharedPool: out of memory allocating ", a->size, " bytes on CUDA device ",
+                         device));
   if (r != CUDA_SUCCESS && handle_type == CU_MEM_HANDLE_TYPE_FABRIC)
     throw_driver_error("cuMemCreate", r,
                        "torch_ipc.SharedPool: cannot create memory with fabric handles here; they "
