@@ -3,11 +3,12 @@
 // TORCH_IPC_CHECK macros below), never std::runtime_error, never print.
 //
 // Note [no c10 errors]
-// A c10::Error (TORCH_CHECK) gathers a backtrace when it is made, and torch's
-// Python bindings make that include the Python stack: made on a thread that
-// does not hold the GIL (our collector, a load, an allocator call that waits
-// for another process's lock all release it) it crashed the process. So
-// torch_ipc's own checks throw these types, which gather nothing.
+// A c10::Error (TORCH_CHECK) gathers a C++ backtrace when it is made, costly
+// and of no use to a caller who passed a bad argument, and TORCH_CHECK formats
+// its message through an ostringstream, which crashed this extension on a
+// toolchain newer than the loaded libstdc++ (Note [messages without
+// iostreams] in str.h). So torch_ipc's own checks throw these types, which
+// gather nothing, with messages from torch_ipc::str.
 #pragma once
 
 
