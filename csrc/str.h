@@ -2,12 +2,12 @@
 //
 // Note [messages without iostreams]
 // Messages are built from std::string appends and std::to_chars, never an
-// ostringstream (c10::str uses one). iostreams are the one part of the C++
-// library whose layout the headers fix and libstdc++.so implements: an
-// extension compiled by a newer GCC than the libstdc++ loaded at run time
-// (the GPU machine builds with /opt/gcc, torch loads the system's) crashed the
-// first time it formatted a number into a stream, that is, on the first bad
-// argument. Appends and to_chars are inline and depend on nothing loaded.
+// ostringstream (c10::str uses one). Built with GCC 13.3 against the torch
+// 2.11+cu130 wheel on the GPU machine, the extension crashed (SIGSEGV) at the
+// first message c10::str formatted, with or without the GIL, on any thread:
+// that is, at the first bad argument. Why is not known (the iostreams that
+// inline code instantiates come from the libstdc++ loaded with torch); the
+// same messages built by appends run everywhere, and depend on nothing loaded.
 #pragma once
 #include <charconv>
 #include <cstdio>
