@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -247,6 +248,24 @@ def attach_and_gather(data, block_shape, dtype, num_blocks, gather_iters, result
     results.put((attach_ns, gather_ns, copy_ns, out.numel() * out.element_size(), ok))
 
 
+def release_pool_memory(device: str) -> None:
+    """Give the closed pool's memory back before the next size is made: the
+    reader's release of the export reaches us through the collector, which
+    collect() runs now; 40 GiB twice does not fit an 80 GB GPU."""
+    import torch_ipc
+
+    gc.collect()
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        torch_ipc.collect(close_idle=True)
+        if device != "cuda":
+            return
+        torch.cuda.empty_cache()
+        if torch_ipc.stats()["vmm_pool_bytes"] == 0 or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+
+
 def bench_attach_gather(args, device, dtype, block_shape, only):
     import torch_ipc
     from torch_ipc.kv import SharedKVPool
@@ -275,8 +294,7 @@ def bench_attach_gather(args, device, dtype, block_shape, only):
                 child.kill()
         pool.close()
         del pool
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        release_pool_memory(device)
         gib = num_blocks * block_bytes / 2**30
         if "attach" in only:
             label = f"attach: {gib:.1f} GiB in {len(sizes)} allocation(s)"
