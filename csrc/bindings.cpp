@@ -28,6 +28,12 @@ using namespace torch_ipc;
 
 namespace {
 
+// Collections run one at a time (Note [collect without the GIL]).
+struct CollectLock {
+  std::mutex mu;
+};
+std::mutex& collect_lock() { return process_state<CollectLock>()->mu; }
+
 py::object error_class(const char* name) {
   static py::module_* errors = new py::module_(py::module_::import("torch_ipc.errors"));
   return errors->attr(name);
@@ -176,6 +182,8 @@ py::dict stats() {
 
 }  // namespace
 
+void torch_ipc::collect_lock_forget_after_fork() { forget_after_fork<CollectLock>(); }
+
 PYBIND11_MODULE(_C, m) {
   install_fork_handler();  // Note [fork] in process.h
   m.doc() = "torch_ipc's C++ core: descriptors, export/import, leases, CUDA driver";
@@ -246,9 +254,8 @@ PYBIND11_MODULE(_C, m) {
         // after what another thread's collection dropped is freed and
         // unmapped, so stats() afterwards are settled. The GIL is released
         // before the lock is taken, never the other way round.
-        static std::mutex* one_at_a_time = new std::mutex();
         py::gil_scoped_release release;
-        std::lock_guard<std::mutex> lock(*one_at_a_time);
+        std::lock_guard<std::mutex> lock(collect_lock());
         int reclaimed = collect_exports();
         collect_imports(close_idle);
         return reclaimed;

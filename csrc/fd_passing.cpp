@@ -90,6 +90,12 @@ struct Server {
 // The thread uses it until the process ends; a forked child has none.
 Server& server() { return *process_state<Server>(); }
 
+// Producers whose fds pidfd_getfd was refused: fd_fetch asks their socket.
+struct RefusedOwners {
+  std::mutex mu;
+  std::set<std::pair<uint32_t, uint64_t>> owners;
+};
+
 std::atomic<int64_t> via_socket{0}, via_pidfd{0}, pidfd_refused{0};
 
 sockaddr_un address_of(const std::string& name, socklen_t* len) {
@@ -446,6 +452,7 @@ FdTransport fd_transport_from_env() {
 void fd_server_forget_after_fork() {
   if (server().listening >= 0) ::close(server().listening);
   forget_after_fork<Server>();
+  forget_after_fork<RefusedOwners>();
 }
 
 uint64_t fd_publish(const std::vector<PublishedItem>& items) {
@@ -477,8 +484,7 @@ void fd_unpublish(uint64_t id) noexcept {
 // while the export lives, so the numbers cannot have been reused.
 std::vector<ReceivedItem> fd_fetch(const ProcessId& owner, uint64_t id,
                                    const std::vector<int>& remote_fds, FdTransport mode) {
-  static std::mutex refused_mu;
-  static std::set<std::pair<uint32_t, uint64_t>> refused_owners;
+  RefusedOwners& refused = *process_state<RefusedOwners>();
   auto key = std::make_pair(owner.pid, owner.start_time);
   std::vector<ReceivedItem> out;
   if (mode == FdTransport::Pidfd) {
@@ -491,8 +497,8 @@ std::vector<ReceivedItem> fd_fetch(const ProcessId& owner, uint64_t id,
   }
   bool try_pidfd = mode == FdTransport::Auto && !remote_fds.empty();
   if (try_pidfd) {
-    std::lock_guard<std::mutex> lock(refused_mu);
-    try_pidfd = refused_owners.count(key) == 0;
+    std::lock_guard<std::mutex> lock(refused.mu);
+    try_pidfd = refused.owners.count(key) == 0;
   }
   if (try_pidfd) {
     if (fetch_pidfd(owner, remote_fds, false, out)) {
@@ -500,9 +506,9 @@ std::vector<ReceivedItem> fd_fetch(const ProcessId& owner, uint64_t id,
       return out;
     }
     ++pidfd_refused;
-    std::lock_guard<std::mutex> lock(refused_mu);
-    if (refused_owners.size() > 4096) refused_owners.clear();
-    refused_owners.insert(key);
+    std::lock_guard<std::mutex> lock(refused.mu);
+    if (refused.owners.size() > 4096) refused.owners.clear();
+    refused.owners.insert(key);
   }
   out = fetch_socket(owner, id);
   ++via_socket;

@@ -20,6 +20,7 @@ void after_fork_in_child() {
   locations_forget_after_fork();
   vmm_forget_after_fork();
   fd_server_forget_after_fork();
+  collect_lock_forget_after_fork();
   cuda_forbid_after_fork();
 }
 

@@ -8,13 +8,24 @@
 
 namespace torch_ipc {
 
-// The one instance of a piece of per-process state: created on first use,
-// never destroyed (deleters use it during interpreter exit), replaced by a
-// fresh one in a forked child (forget_after_fork<T>(), leaking the parent's).
+// The one instance of a piece of per-process state: created when the module
+// loads, never destroyed (deleters use it during interpreter exit), replaced
+// by a fresh one in a forked child (forget_after_fork<T>(), leaking the
+// parent's).
+//
+// Note [no first use at fork]
+// Not a function-local static: its first use takes a guard that C++ holds
+// while it constructs, and a fork while the collector thread was there (the
+// first collection after import) left the child's fork handler waiting on
+// that guard forever: a fork Pool hung at start. Made at load, while the
+// import holds the interpreter, no guard is ever held by another thread.
+template <class T>
+struct ProcessState {
+  static inline T* instance = new T();
+};
 template <class T>
 T*& process_state() {
-  static T* state = new T();
-  return state;
+  return ProcessState<T>::instance;
 }
 template <class T>
 void forget_after_fork() {
@@ -33,6 +44,7 @@ void ipc_events_forget_after_fork();  // ipc_event.cpp: IpcEvents this process m
 void locations_forget_after_fork();   // locate.cpp: cached locations
 void vmm_forget_after_fork();         // vmm_export.cpp: published VMM chunks
 void fd_server_forget_after_fork();   // fd_passing.cpp: the fd server and what it serves
+void collect_lock_forget_after_fork();  // bindings.cpp: collections one at a time
 void cuda_forbid_after_fork();        // cuda_driver.cpp: CUDA calls raise torch's error
 // The same, asked by Python when torch had initialised CUDA in the parent.
 void forbid_cuda_after_fork();

@@ -81,10 +81,10 @@ Uuid read_boot_id() {
 }  // namespace
 
 namespace {
-ProcessId& identity() {
-  static ProcessId self{static_cast<uint32_t>(getpid()), start_time_of(static_cast<uint32_t>(getpid()))};
-  return self;
-}
+// Made at load, not at first use (Note [no first use at fork] in fork.h).
+ProcessId self_identity{static_cast<uint32_t>(getpid()), start_time_of(static_cast<uint32_t>(getpid()))};
+
+ProcessId& identity() { return self_identity; }
 }  // namespace
 
 const ProcessId& self_process() { return identity(); }

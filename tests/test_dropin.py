@@ -11,6 +11,8 @@ import inspect
 import multiprocessing as mp
 import os
 import pickle
+import subprocess
+import sys
 import time
 from multiprocessing.reduction import ForkingPickler
 
@@ -196,6 +198,37 @@ def _echo_plus_one(inbox, outbox):
     x = inbox.get(timeout=TIMEOUT)
     x.add_(1)  # in place: the parent sees it
     outbox.put(torch.arange(5.0) * 3)  # a tensor of the child's own
+
+
+FORK_WHILE_COLLECTING = """
+import os, sys, time
+import torch, torch_ipc
+held = [torch_ipc.loads(torch_ipc.dumps(torch.zeros(64))) for _ in range(8)]  # work for collections
+torch_ipc.collect()
+for i in range(300):
+    pid = os.fork()
+    if pid == 0:  # what a Pool worker does first: export, collect, exit
+        torch_ipc.dumps(torch.ones(4))
+        torch_ipc.collect()
+        os._exit(0)
+    deadline = time.monotonic() + 10
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            sys.exit(f"forked child {i} hung")
+        time.sleep(0.001)
+print("ok")
+"""
+
+
+@needs_fork
+def test_forks_while_the_collector_runs_never_hang():
+    # Note [no first use at fork] (csrc/fork.h): a fork while the collector
+    # thread held a lock or a first-use guard left the child waiting forever.
+    env = dict(os.environ, TORCH_IPC_COLLECT_INTERVAL="0.0005")
+    r = subprocess.run([sys.executable, "-c", FORK_WHILE_COLLECTING], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 @needs_fork
