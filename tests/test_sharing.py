@@ -524,6 +524,10 @@ def test_consumer_that_sees_only_the_second_gpu(pair, device):
         assert err[0] == "DeviceNotFoundError", err
 
 
+def _held_fingerprint(name: str):
+    return u.fingerprint(u.HELD[name])
+
+
 def _export_one_on(device: str, seed: int, consumers: int = 1):
     gen = torch.Generator().manual_seed(seed)
     u.HELD["one"] = {"x": u.random_tensor((1000,), torch.float32, gen, device)}
@@ -535,8 +539,9 @@ def _export_one_on(device: str, seed: int, consumers: int = 1):
 def test_reversed_indices_and_a_consumer_that_sees_only_the_second_gpu(pair, device):
     producer, _ = pair
     uuids = producer.call(_uuids)
-    data, expected = producer.call(_export_one_on, "cuda:1", u.new_seed(), 2)  # one descriptor, two readers
+    data, _ = producer.call(_export_one_on, "cuda:1", u.new_seed(), 2)  # one descriptor, two readers
     for visible in ("1,0", uuids[1]):  # reversed by index; only the second GPU, by UUID
+        expected = producer.call(_held_fingerprint, "one")  # what the reader before wrote, too
         with Peer(timeout=180, env={"CUDA_VISIBLE_DEVICES": visible}) as consumer:
             assert consumer.call(u.load, "one", data) == expected, visible
             assert consumer.call(_tensor_device, "one", "x") == "cuda:0", visible
