@@ -96,8 +96,8 @@ std::optional<Handle64> record_export_event(int device) {
 
 // Note [ordering without waiting]
 // Two costs dominate a small message to a consumer that reads what it gets
-// (H100, measured by benchmarks/bench.py and benchmarks/ordering.py, numbers
-// in benchmarks/RESULTS.md): a stream that waits on an interprocess event
+// (H100, measured with plain torch and with benchmarks/bench.py, numbers in
+// benchmarks/RESULTS.md): a stream that waits on an interprocess event
 // (cuStreamWaitEvent) starts its next kernel ~225 us late even when the event
 // completed long before, and any GPU command of the producer right before the
 // consumer's kernel (an event record included) costs the consumer a switch of
@@ -109,7 +109,10 @@ std::optional<Handle64> record_export_event(int device) {
 //   only when it has not completed; the pools of Note [event pool] make
 //   "completed" mean "the record made for this export completed".
 // A write still in flight at export is always waited for, on the GPU; the
-// host never blocks.
+// host never blocks. Not measured yet: ordering through a counter in memory
+// both processes map (cuStreamWriteValue32 / cuStreamWaitValue32) instead of
+// an interprocess event; with the two rules above the event costs the reading
+// consumer of benchmarks/bench.py's small_same ~15-20 us, not ~225.
 void order_stream_after(CUevent event, CUstream stream) {
   CUresult r = driver().cuEventQuery(event);
   if (r == CUDA_SUCCESS) return;
