@@ -27,6 +27,14 @@ template <class T>
 T*& process_state() {
   return ProcessState<T>::instance;
 }
+// Note [reading the parent's state after fork]
+// A hook that must look at the parent's state (to close the child's copies of
+// its fds) takes that state's lock with try_lock. Free, it proves no thread
+// was changing the state at the fork (the child has no other thread); held,
+// the thread that held it is gone, the lock stays held forever and what it
+// guards may be half changed: the hook then leaves those fds open, which
+// keeps the parent's memory or lease file alive until the child exits,
+// instead of reading a broken structure or waiting forever.
 template <class T>
 void forget_after_fork() {
   process_state<T>() = new T();

@@ -136,7 +136,9 @@ class Leases {
   // In a forked child, before anything else runs (so without the mutex a
   // parent's thread may have held): the child's copies of the parent's
   // anchors must not keep the parent's OFD locks alive (Note [sweep]).
-  void disown_after_fork() {
+  void disown_after_fork() {  // Note [reading the parent's state after fork]
+    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+    if (!lock.owns_lock()) return;
     for (auto& [n, m] : own_) m->disown();
   }
 

@@ -272,8 +272,13 @@ std::vector<Location> locate_vmm(const std::vector<c10::Storage>& storages, int 
 // The child closes its copies of the parent's fds (they would keep the
 // memory after the parent freed it) and leaks the rest: CUDA is unusable here.
 void vmm_forget_after_fork() {
-  for (auto& [id, weak] : exporter().chunks)
-    if (auto chunk = weak.lock()) chunk->fd.reset();
+  {
+    Exporter& e = exporter();
+    std::unique_lock<std::mutex> lock(e.mu, std::try_to_lock);  // Note [reading the parent's state after fork]
+    if (lock.owns_lock())
+      for (auto& [id, weak] : e.chunks)
+        if (auto chunk = weak.lock()) chunk->fd.reset();
+  }
   forget_after_fork<Exporter>();
 }
 
