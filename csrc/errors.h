@@ -6,10 +6,10 @@
 // A c10::Error (TORCH_CHECK) gathers a C++ backtrace when it is made, costly
 // and of no use to a caller who passed a bad argument, and TORCH_CHECK formats
 // its message through an ostringstream, which crashed this extension on the
-// GPU machine (Note [messages without iostreams] in str.h). So torch_ipc's own checks throw these types, which
-// gather nothing, with messages from torch_ipc::str.
+// GPU machine (Note [messages without iostreams] in str.h). So torch_ipc's
+// own checks throw these types, which gather nothing, with messages from
+// torch_ipc::str.
 #pragma once
-
 
 #include <cstdint>
 #include <stdexcept>

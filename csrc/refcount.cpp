@@ -133,10 +133,11 @@ class Leases {
     return anchor_;
   }
 
-  // In a forked child, before anything else runs (so without the mutex a
-  // parent's thread may have held): the child's copies of the parent's
-  // anchors must not keep the parent's OFD locks alive (Note [sweep]).
-  void disown_after_fork() {  // Note [reading the parent's state after fork]
+  // In a forked child, before anything else runs: the child's copies of the
+  // parent's anchors must not keep the parent's OFD locks alive (Note
+  // [sweep]); read only if no parent's thread held the mutex at the fork
+  // (Note [reading the parent's state after fork] in fork.h).
+  void disown_after_fork() {
     std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
     if (!lock.owns_lock()) return;
     for (auto& [n, m] : own_) m->disown();
