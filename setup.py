@@ -1,6 +1,6 @@
 """Build torch_ipc._C: a C++ extension that links no CUDA library.
 
-The CUDA driver API is resolved at run time (see csrc/cuda_driver.h), so the
+The CUDA driver API is resolved at run time (see csrc/cuda/cuda_driver.h), so the
 build needs only a C++ compiler, torch's headers and `cuda.h`. Both are looked
 for only when compiling: an sdist or the metadata need neither.
 
@@ -30,7 +30,9 @@ if int(setuptools.__version__.split(".")[0]) < 77:
              "pip install -U 'setuptools>=77' wheel")
 
 NAME = "torch_ipc._C"
-SOURCES = sorted(glob.glob("csrc/*.cpp"))
+# csrc/ is laid out by layer (Note [layers] in csrc/README.md); includes are
+# written from csrc/, e.g. "os/shm.h".
+SOURCES = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
 debug = os.environ.get("TORCH_IPC_DEBUG") == "1"
 compile_args = ["-Wall", "-Wno-unused-function"] + (["-O0", "-g"] if debug else ["-O2", "-g0"])
 link_args = [] if debug else ["-Wl,--strip-debug"]
@@ -67,7 +69,8 @@ if torch_available():
             for folder in folders:
                 write_build_info(folder, torch.__version__)
 
-    extension = CppExtension(name=NAME, sources=SOURCES, extra_compile_args=compile_args,
+    extension = CppExtension(name=NAME, sources=SOURCES, include_dirs=[os.path.abspath("csrc")],
+                             extra_compile_args=compile_args,
                              extra_link_args=link_args, libraries=["dl"])
     build_command = BuildWithCudaHeader
 else:

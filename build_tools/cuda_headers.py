@@ -1,5 +1,5 @@
 """Find cuda.h, the one CUDA file the build needs (types and constants of the
-driver API; no CUDA library is linked, see csrc/cuda_driver.h).
+driver API; no CUDA library is linked, see csrc/cuda/cuda_driver.h).
 
 Searched in this order, the first folder holding cuda.h wins:
   1. $TORCH_IPC_CUDA_INCLUDE

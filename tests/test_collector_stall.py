@@ -1,6 +1,6 @@
 """The background collector does not stall the process's Python threads
-(Note [collect without the GIL] in csrc/bindings.cpp, Note [liveness per
-cycle] in csrc/refcount.h): with 10,000 exports held by a consumer, a busy
+(Note [collect without the GIL] in csrc/core/maintenance.cpp, Note [liveness per
+cycle] in csrc/os/refcount.h): with 10,000 exports held by a consumer, a busy
 loop in the producer's main thread never waits long for the GIL while the
 collector looks at all of them every 50 ms. CPU tensors."""
 import time

@@ -1,4 +1,4 @@
-"""The wire format (csrc/descriptor.h): layout round trip, and rejection of
+"""The wire format (csrc/wire/descriptor.h): layout round trip, and rejection of
 malformed descriptors, by hand-made cases and by a seeded fuzz.
 
 Everything that feeds bad bytes to the extension runs in spawned children, so a
@@ -83,7 +83,7 @@ class Field(NamedTuple):
 
 
 def layout(data: bytes) -> Tuple[Dict[str, Any], List[Field]]:
-    """Parse a descriptor with struct, as the layout in csrc/descriptor.h says.
+    """Parse a descriptor with struct, as the layout in csrc/wire/descriptor.h says.
 
     Returns the decoded header and tables and the list of fields covering every byte.
     """

@@ -223,7 +223,7 @@ print("ok")
 
 @needs_fork
 def test_forks_while_the_collector_runs_never_hang():
-    # Note [no first use at fork] (csrc/fork.h): a fork while the collector
+    # Note [no first use at fork] (csrc/base/fork.h): a fork while the collector
     # thread held a lock or a first-use guard left the child waiting forever.
     env = dict(os.environ, TORCH_IPC_COLLECT_INTERVAL="0.0005")
     r = subprocess.run([sys.executable, "-c", FORK_WHILE_COLLECTING], env=env, capture_output=True,
@@ -276,7 +276,7 @@ def test_cuda_in_a_forked_child_raises_torchs_error():
 
 def _relay_through_forking_pickler(d):
     """What a relay's own Queue/Pipe does with what it received, without init_reductions()."""
-    assert torch_ipc._reductions._saved is None  # reductions not on here
+    assert torch_ipc.mp._reductions._saved is None  # reductions not on here
     y = torch_ipc.loads(d)
     u.HELD["relayed"] = y
     own = torch.arange(3.0, device=y.device)
@@ -307,7 +307,7 @@ def test_relay_without_init_reductions_forwards_through_torch_ipc(device):
 
 
 def _reductions_are_on(queue):
-    queue.put(torch_ipc._reductions._saved is not None)
+    queue.put(torch_ipc.mp._reductions._saved is not None)
 
 
 def test_spawned_children_inherit_init_reductions():

@@ -20,9 +20,9 @@ from torch_ipc.testing import Peer, run_in_subprocess
 # (module level: the child imports this module to find them)
 
 _STATE = {}
-REPLY_MAGIC = 0x52464954  # "TIFR", Note [fd server protocol] in csrc/fd_passing.cpp
+REPLY_MAGIC = 0x52464954  # "TIFR", Note [fd server protocol] in csrc/os/fd_passing.cpp
 HAS_BLOBS = 2
-SLOT_BYTES, SLOTS, HOLDERS = 128, 4096, 14  # Slot in csrc/refcount.cpp, Note [holder limit]
+SLOT_BYTES, SLOTS, HOLDERS = 128, 4096, 14  # Slot in csrc/os/refcount.cpp, Note [holder limit]
 
 
 def _header(status=0, total=0, first=0, count=0, flags=0) -> bytes:

@@ -1,4 +1,4 @@
-"""File descriptor passing between processes (csrc/fd_passing.*), no GPU needed:
+"""File descriptor passing between processes (csrc/os/fd_passing.*), no GPU needed:
 the per-process fd server (SCM_RIGHTS), pidfd_getfd pulls, and their refusals."""
 import os
 import socket

@@ -188,7 +188,7 @@ def test_relay_gives_back_a_delivery_its_peer_never_loaded(tmp_path):
 def test_a_connection_over_a_pipe_does_not_break_the_checks():
     from multiprocessing import Pipe
 
-    from torch_ipc.connection import Connection, _check_peers
+    from torch_ipc.mp.connection import Connection, _check_peers
 
     a, b = Pipe(duplex=False)
     conn = Connection(a, os.getpid())

@@ -1,10 +1,10 @@
 """What a load leaves behind when it dies or fails.
 
 Consumers killed while holding an export must not use up its holder words
-(Note [holder limit] in csrc/refcount.h): a later load still succeeds and the
+(Note [holder limit] in csrc/os/refcount.h): a later load still succeeds and the
 export is reclaimed once its loads happened. A load that fails (a record the
 producer's memory does not match, a payload that does not unpickle, Ctrl-C)
-spends nothing at the producer (Note [a load spends last] in csrc/import.cpp):
+spends nothing at the producer (Note [a load spends last] in csrc/core/import.cpp):
 the export stays, and a correct retry succeeds. CPU tensors, and one CUDA
 test (an fd fetch that times out); the producers and consumers are real
 processes, killed, stopped and interrupted for real.

@@ -1,4 +1,4 @@
-"""Names another local user cannot take first (Note [names] in csrc/names.h),
+"""Names another local user cannot take first (Note [names] in csrc/os/names.h),
 no GPU needed: every name a process shares by has a random part from the OS,
 and a taken name is retried with another. The test takes, before a process
 exports, every name it can predict: the names of the old scheme (pid and start

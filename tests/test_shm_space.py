@@ -1,7 +1,7 @@
 """A /dev/shm too small for a tensor (Docker's default is 64 MiB), no GPU
 needed: sharing a CPU tensor raises OSError(ENOSPC) naming /dev/shm and its
 space, never dies of SIGBUS, and leaves no file behind (Note [reserving shared
-memory] in csrc/shm.cpp). Both reservations are tested: the data segment and
+memory] in csrc/os/shm.cpp). Both reservations are tested: the data segment and
 the lease segment."""
 import errno
 import json

@@ -1,4 +1,4 @@
-"""The stale-file sweep (Note [sweep] in csrc/sweep.h), no GPU needed: files
+"""The stale-file sweep (Note [sweep] in csrc/os/sweep.h), no GPU needed: files
 of dead processes go, files of live ones stay whatever pid they carry (another
 PID namespace, a recycled pid, the same pid after execv), files of other users
 are never touched, the collector sweeps on its own, and sweeping leaks no

@@ -1,4 +1,4 @@
-"""VMM sharing (csrc/vmm.*, torch_ipc/pool.py): torch's expandable segments,
+"""VMM sharing (csrc/memory/vmm.*, torch_ipc/pool.py): torch's expandable segments,
 SharedPool and isolated dumps, memory that outlives a killed producer, leaks."""
 import os
 import signal

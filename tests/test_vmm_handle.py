@@ -1,4 +1,4 @@
-"""The 64-byte VMM handle field (csrc/vmm_handle.h): layout round trip, rejection
+"""The 64-byte VMM handle field (csrc/wire/vmm_handle.h): layout round trip, rejection
 of every malformed value, and a seeded structure-aware fuzz against an oracle
 written here from Note [VMM handle field]. Pure C++ codec: no GPU needed.
 

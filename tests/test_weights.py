@@ -420,7 +420,7 @@ def test_dead_subscriber_does_not_block_publish(ipc_peer, ipc_peers):
 # ----------------------------------------------------------------------------- the kernels' item tables
 
 def _run_table_on_cpu(table: torch.Tensor, kind: int) -> None:
-    """Do on the CPU what each block of csrc/kernels/batched_copy.cu does with its item."""
+    """Do on the CPU what each block of csrc/features/weights/kernels/batched_copy.cu does with its item."""
     import ctypes
 
     for src, dst, count, _ in table.tolist():

@@ -14,9 +14,9 @@ try:
     from . import _C
 except ImportError as e:
     raise extension_import_error(e) from e
-from ._reductions import init_reductions, reductions, restore_reductions
+from .mp._reductions import init_reductions, reductions, restore_reductions
 from ._serialize import dumps, loads
-from .connection import Client, Connection, Listener, connect, listen
+from .mp.connection import Client, Connection, Listener, connect, listen
 from .errors import (
     CudaError,
     CudaUnavailableError,
@@ -59,24 +59,23 @@ __all__ = [
 
 
 def stats() -> dict:
-    """Counters of this process, for finding leaks.
+    """Counters of this process, for finding leaks (the entries are listed below)."""
+    out = dict(_C.stats())
+    out["fd_server_running"] = bool(out["fd_server_running"])
+    return out
 
-    exports / exported_bytes: live exports of this process and their bytes;
-    tokens_pending: loads still expected; holders / dead_holders: processes
-    holding our exports (dead ones until the next collect); held_bytes /
-    held_cuda_ipc_bytes: bytes of our exports that living consumers hold, and
-    how many of them are legacy CUDA IPC memory (lost to them when we exit);
-    oldest_exports: the 16 oldest live exports, oldest first, each a dict of
-    age_s, bytes, tokens_pending, holders and dead_holders (an old one is
-    pinned by a load that never came, or by a holder that keeps it);
-    imports: holds this process has on other processes' exports;
-    pending_releases: releases waiting for GPU work; mappings_open /
-    mappings_idle / events_open: opened handles; lease_segments, host_segments;
-    vmm_*: shareable (cuMemCreate) memory exported, pooled and mapped;
-    fd_*: file descriptors served and fetched, and through which transport
-    (fd_via_socket: SCM_RIGHTS, fd_via_pidfd: pidfd_getfd).
-    """
-    return dict(_C.stats())
+
+def _stats_doc() -> str:
+    lines = []
+    for name, doc in _C.stats_fields():
+        if isinstance(doc, list):
+            doc = "the 16 oldest live exports, oldest first, each a dict of " + ", ".join(
+                f"{n} ({d})" for n, d in doc) + "; an old one is pinned by a load that never came, or a holder"
+        lines.append(f"    {name}: {doc}")
+    return "\n".join(lines)
+
+
+stats.__doc__ += "\n\n" + _stats_doc() + "\n"
 
 
 def collect(close_idle: bool = False) -> int:

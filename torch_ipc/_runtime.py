@@ -7,7 +7,7 @@ released it or died. Somebody has to look: a daemon thread calls
 ``_C.collect()`` every TORCH_IPC_COLLECT_INTERVAL seconds (default 0.05), then
 the hooks other modules registered with :func:`on_collect` (connections check
 their peers there). ``_C.collect()`` releases the GIL (Note [collect without
-the GIL] in bindings.cpp): thousands of held exports do not stall the
+the GIL] in csrc/core/maintenance.cpp): thousands of held exports do not stall the
 process's Python threads.
 
 Note [exit order]
@@ -28,7 +28,7 @@ will unlink.
 Note [periodic sweep]
 Files of processes that died without their exit hook (SIGKILL, os._exit)
 would stay until another process made its first segment. So the collector
-also calls ``_C.sweep()`` (Note [sweep] in csrc/sweep.h), at most once per
+also calls ``_C.sweep()`` (Note [sweep] in csrc/os/sweep.h), at most once per
 TORCH_IPC_SWEEP_INTERVAL seconds (default 5): such files go within that time
 while any torch_ipc process (a consumer too) runs. A sweep reads /dev/shm and
 probes one lock per process there, without the GIL.
@@ -56,7 +56,7 @@ _EXIT_PRIORITY = -1000  # below every finalizer of multiprocessing (queues join 
 _JOIN_TIMEOUT_S = 5.0
 
 
-# Note [fork] (csrc/process.h): a forked child has its own identity and none
+# Note [fork] (csrc/os/process.h): a forked child has its own identity and none
 # of its parent's state. Its collector thread did not survive the fork, so
 # it starts its own on first use; its exit hook looks after its own exports
 # (the finalizer it inherited does nothing there: it is not the _pid's).

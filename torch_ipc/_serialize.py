@@ -29,7 +29,6 @@ __all__ = ["dumps", "loads"]
 _TENSOR = 0
 _STORAGE = 1
 _TYPED_STORAGE = 2
-_HAS_CUDA = 1  # header flag bit (byte 6) of a descriptor
 
 
 class _Pickler(ForkingPickler):
@@ -205,7 +204,7 @@ def export_object(obj: Any, parts=None, *, consumers: Optional[int] = 1, isolate
     if consumers is None:
         if isolated:
             raise ValueError("torch_ipc: consumers=None cannot be combined with isolated=True")
-        consumers = 0  # open-ended (Note [open-ended exports] in csrc/export.cpp)
+        consumers = 0  # open-ended (Note [open-ended exports] in csrc/core/export.cpp)
     elif type(consumers) is not int or consumers < 1:
         raise ValueError(f"consumers must be None or an int of at least 1, not {consumers!r}")
     tensors, parameters, payload = parts if parts is not None else split(obj)
@@ -290,13 +289,12 @@ def loads(data: bytes) -> Any:
                         + ("; keep descriptors as bytes (files opened 'rb'/'wb')" if isinstance(data, str) else ""))
     data = bytes(data)
     _runtime.ensure_started()
-    if not _cuda_ready and len(data) > 6 and data[6] & _HAS_CUDA:
-        _C.describe(data)  # a malformed descriptor is a DescriptorError, not a CUDA problem
-        _ensure_cuda()
-    # A load that fails from here on spends nothing at the producers (Note [a
-    # load spends last] in import.cpp): the tensors die with their holds, and
-    # the token stays for a retry. Only a complete load commits.
-    tensors, is_parameter, payload, pending = _C.import_pending(data)
+    # One crossing: a malformed descriptor is a DescriptorError before CUDA is
+    # asked for, and _ensure_cuda runs only for one that holds CUDA tensors. A
+    # load that fails from here on spends nothing at the producers (Note [a
+    # load spends last] in core/import.cpp): the tensors die with their holds,
+    # and the token stays for a retry. Only a complete load commits.
+    tensors, is_parameter, payload, pending = _C.load(data, None if _cuda_ready else _ensure_cuda)
     obj = _rebuild(tensors, is_parameter, payload)
     pending.commit()
     return obj

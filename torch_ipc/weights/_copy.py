@@ -3,7 +3,7 @@ once into a few launches; ``run()`` is those launches and nothing else.
 
 Same-dtype pairs on one GPU go through one launch of torch_ipc's copy kernel,
 fp32 -> bf16 pairs through one launch of its conversion kernel (Note [batched
-copy kernels] in csrc/batched_copy.cpp); everything else (other conversions,
+copy kernels] in csrc/features/weights/batched_copy.cpp); everything else (other conversions,
 non-contiguous destinations, CPU tensors, two GPUs) through one
 ``torch._foreach_copy_``. ``path`` says which ran.
 """

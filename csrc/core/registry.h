@@ -1,0 +1,71 @@
+// Where a storage's bytes come from, for the export and the import side alike:
+// this process's live exports (own storages, by lease) and the storages it
+// imported (the allocation they map and the lease they hold at the owner).
+#pragma once
+
+#include <c10/core/Storage.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "memory/location.h"
+#include "wire/descriptor.h"
+#include "os/process.h"
+
+namespace torch_ipc {
+
+// ---- imported storages
+// One allocation of another process, opened in this one (import.cpp opens,
+// caches and closes them).
+struct Mapping;
+
+// The hold one import took on one lease, and the mappings its storages use.
+// Dropped when the last storage built by that import dies; the lease is then
+// released once the GPU work queued on the memory has finished (import.cpp).
+struct Hold {
+  LeaseRecord lease;
+  std::vector<std::shared_ptr<Mapping>> mappings;
+  MadeHere made;  // a forked child leaves its parent's holds alone
+  ~Hold();
+};
+
+// Build the DataPtr of an imported storage at `data` (inside a mapping that
+// `hold` keeps), and find what such a storage came from.
+c10::DataPtr imported_data_ptr(void* data, std::shared_ptr<Hold> hold, const Location& where,
+                               c10::Device device);
+struct ImportedOrigin {
+  Location where;
+  LeaseRecord lease;  // held at the owner
+};
+std::optional<ImportedOrigin> imported_origin(const c10::Storage& storage);
+
+// ---- own exports
+// One export of this process: the storages it keeps alive until every
+// consumer released them, and where each lives. Keyed by its lease.
+struct ExportRecord {
+  LeaseRecord lease;
+  bool open_ended = false;  // Note [open-ended exports] in export.cpp
+  std::vector<c10::Storage> storages;
+  std::vector<Location> locations;  // parallel to storages
+  uint64_t bytes = 0;
+  int64_t exported_at_ns = 0;  // steady clock, for stats' ages
+};
+
+void register_export(std::unique_ptr<ExportRecord> record);
+bool export_is_live(const LeaseRecord& lease);
+// For a load in this very process: the storage of our live export `lease`
+// at `where` with `nbytes` bytes.
+std::optional<c10::Storage> find_exported_storage(const LeaseRecord& lease, const Location& where,
+                                                  uint64_t nbytes);
+// Drop the records `reclaim` returns true for (outside the lock, so storages
+// die without it). Open-ended records whose storages something outside the
+// registry still references are kept without asking. Returns how many were
+// dropped.
+int drop_exports(const std::function<bool(const ExportRecord&)>& reclaim);
+// Visit every live record (under the lock: `visit` must not call back here).
+void for_each_export(const std::function<void(const ExportRecord&)>& visit);
+
+}  // namespace torch_ipc

@@ -1,0 +1,26 @@
+// What the driver says about a VMM (cuMemMap) mapping: the mapping and the
+// physical allocation that hold an address. Used by the export side and SharedPool.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstddef>
+#include <string>
+
+namespace torch_ipc {
+
+// The cuMemMap mapping that holds address p: its start, its size, and the
+// driver's id of the physical allocation behind it (0 when the driver has none).
+struct MappedChunk {
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  unsigned long long block = 0;
+};
+// Throws InvalidUse (RuntimeError) that says why when no VMM mapping holds p.
+MappedChunk chunk_at(CUdeviceptr p);
+
+// The message for memory that neither legacy IPC nor VMM can share, ending
+// with `why` (the driver's refusal).
+std::string vmm_not_shareable(const std::string& why);
+
+}  // namespace torch_ipc

@@ -1,0 +1,48 @@
+// Identity of processes and of this boot: who made a descriptor, whether that
+// process still lives, and whether a descriptor comes from this machine's boot.
+#pragma once
+
+#include <unistd.h>
+
+#include <string>
+
+#include "base/ids.h"
+
+namespace torch_ipc {
+
+// This process: pid and start time (clock ticks after boot, /proc/self/stat).
+// A forked child has its own from the moment it is forked (Note [fork] in base/fork.h).
+const ProcessId& self_process();
+
+// MadeHere: what this process made, as opposed to what a forked child
+// inherited (Note [fork] in base/fork.h).
+class MadeHere {
+ public:
+  // True in a forked child, for what its parent made.
+  bool inherited() const { return pid_ != getpid(); }
+
+ private:
+  pid_t pid_ = getpid();
+};
+
+// The child's half of Note [fork]: take this process's own identity
+// (registered as a ForkStage::Identity reset).
+void reset_identity_after_fork();
+
+// The kernel's boot id (/proc/sys/kernel/random/boot_id): differs between
+// machines and between boots of one machine.
+const Uuid& boot_id();
+
+// True when a process with this pid AND this start time is running, in our
+// PID namespace. A recycled pid has another start time.
+bool process_alive(const ProcessId& p);
+
+// Only the pid, for holder slots that store 32 bits: kill(pid, 0).
+bool pid_alive(uint32_t pid);
+
+// Close the pidfds process_alive() keeps for processes that have exited
+// since (the collector calls it; process_alive() alone closes a pidfd only
+// when asked about that process again).
+void forget_exited_processes();
+
+}  // namespace torch_ipc

@@ -1,0 +1,142 @@
+#include "os/shm.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include <c10/util/Exception.h>
+
+#include "base/errors.h"
+
+namespace torch_ipc {
+
+namespace {
+
+// "/dev/shm has 60.0 MiB free of 64.0 MiB", or nothing when statvfs fails.
+std::string shm_space() {
+  struct statvfs fs;
+  if (statvfs("/dev/shm", &fs) != 0) return "";
+  auto mib = [](double bytes) {
+    char text[32];
+    std::snprintf(text, sizeof(text), "%.1f MiB", bytes / (1 << 20));
+    return std::string(text);
+  };
+  return "/dev/shm has " + mib(double(fs.f_bavail) * fs.f_frsize) + " free of " +
+         mib(double(fs.f_blocks) * fs.f_frsize);
+}
+
+// The error of a failed reservation, saying what to do about it.
+OsError reserve_error(int err, const std::string& name, size_t size) {
+  std::string hint;
+  if (err == ENOSPC)
+    hint = "(" + shm_space() +
+           "; make it larger, e.g. docker run --shm-size=8g, or a bigger tmpfs on /dev/shm)";
+  else if (err == EFBIG)
+    hint = "(larger than this process's file size limit, RLIMIT_FSIZE: ulimit -f)";
+  return os_error(err, "reserving", std::to_string(size) + " bytes of /dev/shm for " + name, hint);
+}
+
+// Note [reserving shared memory]
+// ftruncate on tmpfs succeeds whatever the free space; the first write to a
+// page that does not fit then kills the process with SIGBUS. posix_fallocate
+// reserves every page up front, so a full /dev/shm (Docker's default is 64
+// MiB) is an ENOSPC here, with the file removed, instead of a crash later.
+int reserve(int fd, size_t size) {
+  int err;
+  do err = posix_fallocate(fd, 0, static_cast<off_t>(size));
+  while (err == EINTR);
+  return err;
+}
+
+// An OFD lock on the whole file, held while the file description is open.
+int lock_whole_file(int fd) {
+  struct flock lock {};
+  lock.l_type = F_WRLCK;
+  lock.l_whence = SEEK_SET;
+  return fcntl(fd, F_OFD_SETLK, &lock) == 0 ? 0 : errno;
+}
+
+}  // namespace
+
+std::unique_ptr<ShmMapping> ShmMapping::create(const std::string& name, size_t size, bool anchor) {
+  int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) {
+    if (errno == EEXIST) return nullptr;
+    throw_os_error("shm_open", name);
+  }
+  auto fail = [&](const OsError& e) {
+    close(fd);
+    shm_unlink(name.c_str());
+    throw e;
+  };
+  // The lock comes before the size: a file with bytes and no lock is one
+  // whose owner is gone (Note [sweep]).
+  if (anchor)
+    if (int err = lock_whole_file(fd)) fail(os_error(err, "fcntl(F_OFD_SETLK)", name));
+  if (int err = reserve(fd, size)) fail(reserve_error(err, name, size));
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) fail(os_error(errno, "mmap", name));
+  if (!anchor) {
+    close(fd);
+    fd = -1;
+  }
+  return std::unique_ptr<ShmMapping>(new ShmMapping(name, p, size, true, fd));
+}
+
+std::unique_ptr<ShmMapping> ShmMapping::open(const std::string& name, size_t min_size) {
+  int fd = shm_open(name.c_str(), O_RDWR, 0);
+  if (fd < 0) {
+    if (errno == ENOENT) return nullptr;
+    throw_os_error("shm_open", name);
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    close(fd);
+    throw os_error(err, "fstat", name);
+  }
+  if (static_cast<size_t>(st.st_size) < min_size) {
+    close(fd);
+    // The object is there but smaller than the caller was told: the claim is
+    // wrong, not the system (mapping it would SIGBUS past its end).
+    throw DescriptorError("malformed torch_ipc descriptor: shared memory object " + name + " has " +
+                          std::to_string(st.st_size) + " bytes, fewer than the " +
+                          std::to_string(min_size) + " it names");
+  }
+  size_t size = static_cast<size_t>(st.st_size);
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  close(fd);
+  if (p == MAP_FAILED) throw os_error(err, "mmap", name);
+  return std::unique_ptr<ShmMapping>(new ShmMapping(name, p, size, false));
+}
+
+void ShmMapping::unlink() {
+  if (linked_) {
+    // ENOENT: the name is gone already; nothing is lost.
+    if (shm_unlink(name_.c_str()) != 0 && errno != ENOENT)
+      TORCH_WARN("torch_ipc: shm_unlink(", name_, ") failed: ", std::strerror(errno));
+    linked_ = false;
+  }
+}
+
+void ShmMapping::disown() {
+  linked_ = false;
+  if (lock_fd_ >= 0) close(lock_fd_);
+  lock_fd_ = -1;
+}
+
+ShmMapping::~ShmMapping() {
+  unlink();  // before the lock goes: a sweeper never sees this file unlocked
+  if (munmap(data_, size_) != 0)
+    TORCH_WARN("torch_ipc: munmap(", name_, ") failed: ", std::strerror(errno));
+  if (lock_fd_ >= 0) close(lock_fd_);
+}
+
+}  // namespace torch_ipc

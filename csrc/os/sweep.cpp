@@ -1,0 +1,99 @@
+#include "os/sweep.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <ctime>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "os/names.h"
+
+namespace torch_ipc {
+namespace {
+
+constexpr time_t kCreatingSeconds = 60;  // an anchor without bytes is being created
+std::atomic<int64_t> swept{0};  // an anchor without bytes is being created
+
+using AnchorKey = std::tuple<uint32_t, uint64_t, uint32_t>;  // pid, start time, segment
+
+// An open file of our uid in /dev/shm, or -1.
+int open_own(int dir, const std::string& name, struct stat* st) {
+  int fd = openat(dir, name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return -1;
+  if (fstat(fd, st) != 0 || !S_ISREG(st->st_mode) || st->st_uid != geteuid()) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Whether the anchor `name` proves its owner alive: it exists, is ours, and
+// is locked (or has no bytes yet, and is young). The size is read before the
+// lock: its owner locked before it gave it bytes.
+bool anchor_alive(int dir, const std::string& name) {
+  struct stat st;
+  int fd = open_own(dir, name, &st);
+  if (fd < 0) return false;
+  bool alive;
+  if (st.st_size == 0) {
+    alive = std::time(nullptr) - st.st_mtime < kCreatingSeconds;
+  } else {
+    struct flock probe {};
+    probe.l_type = F_WRLCK;
+    probe.l_whence = SEEK_SET;
+    // A failed probe proves nothing: keep the file.
+    alive = fcntl(fd, F_OFD_GETLK, &probe) != 0 || probe.l_type != F_UNLCK;
+  }
+  close(fd);
+  return alive;
+}
+
+bool owned_regular_file(int dir, const std::string& name) {
+  struct stat st;
+  return fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
+         st.st_uid == geteuid();
+}
+
+}  // namespace
+
+int sweep_stale_shm() noexcept {
+  try {
+    std::unique_ptr<DIR, int (*)(DIR*)> listing(opendir("/dev/shm"), &closedir);
+    if (!listing) return 0;
+    const int dir = dirfd(listing.get());
+    std::vector<std::pair<std::string, AnchorKey>> files;
+    while (dirent* entry = readdir(listing.get())) {
+      std::string name = entry->d_name;
+      auto parsed = parse_shared_file_name(name);
+      if (!parsed || !owned_regular_file(dir, name)) continue;
+      files.emplace_back(name, AnchorKey{parsed->pid, parsed->start_time, parsed->anchor});
+    }
+    std::map<AnchorKey, bool> alive;
+    for (const auto& [name, key] : files) {
+      if (alive.count(key)) continue;
+      ProcessId owner{std::get<0>(key), std::get<1>(key)};
+      alive[key] = anchor_alive(dir, lease_segment_name(owner, std::get<2>(key)).substr(1));
+    }
+    // Anchors last: while one is there, its files are judged by it.
+    int removed = 0;
+    for (bool anchors : {false, true})
+      for (const auto& [name, key] : files)
+        if (!alive[key] && parse_shared_file_name(name)->lease == anchors)
+          removed += unlinkat(dir, name.c_str(), 0) == 0;
+    swept += removed;
+    return removed;
+  } catch (...) {  // std::bad_alloc: sweeping is never worth failing an export
+    return 0;
+  }
+}
+
+int64_t swept_file_count() { return swept.load(); }
+
+}  // namespace torch_ipc

@@ -1,0 +1,195 @@
+"""Plug torch_ipc into multiprocessing: Queue, Pipe, Pool, connection.send.
+
+Note [one descriptor per message]
+multiprocessing pickles every message with ``ForkingPickler.dumps``, and a
+per-type reducer would make one descriptor (one lease, one event, one pickle
+frame) per tensor. So :func:`init_reductions` replaces ``ForkingPickler.dumps``
+itself: a message that holds tensors becomes ONE descriptor, wrapped so that
+the receiving side's plain ``pickle.loads`` calls :func:`torch_ipc.loads`.
+Messages without tensors are pickled once, exactly as before (the pickler that
+looks for tensors is a ForkingPickler, so its output is what multiprocessing
+would have sent). Per-type reducers are
+installed too, for code that pickles with a ForkingPickler instance directly.
+
+Note [torch never sees our storages]
+torch's reducers cannot send a storage that torch_ipc made or mapped: a CUDA
+one fails inside ``_share_cuda_()`` ("invalid device pointer"), a CPU one
+would be moved into torch's shared memory, away from the memory other
+processes map. So from the moment torch_ipc is imported (which loading
+anything from it does), torch's tensor and storage reducers are wrapped:
+what torch_ipc owns or mapped goes through torch_ipc (one descriptor per
+tensor), everything else to torch exactly as before. A relay that received
+tensors and forwards them through its own Queue or Pipe needs no
+init_reductions() of its own.
+
+Note [spawned children inherit the reductions]
+init_reductions() puts a marker in multiprocessing's process config, which
+every new Process copies and which a child started with 'spawn' or
+'forkserver' unpickles before its target runs: unpickling it turns the
+reductions on in the child (and its children in turn). A forked child
+inherits them with the rest of its parent's memory.
+
+What a message exported is tied to the connection that sends it (Note
+[unread messages] in _channels.py).
+"""
+
+import contextlib
+import multiprocessing.process
+import pickle
+from multiprocessing import connection as _mpc
+from multiprocessing.reduction import ForkingPickler
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from .. import _C, _serialize
+from . import _channels
+
+__all__ = ["init_reductions", "restore_reductions", "reductions"]
+
+_STORAGE_TYPES = (torch.UntypedStorage, torch.storage.TypedStorage, *torch._storage_classes)
+_REDUCED_TYPES = tuple(dict.fromkeys((torch.Tensor, torch.nn.Parameter, *_STORAGE_TYPES)))
+_saved = None  # (original dumps, {type: original reducer or None}, original Connection._send_bytes)
+_CONFIG_KEY = "torch_ipc.reductions"
+
+
+def _rebuild(descriptor: bytes):
+    return _serialize.loads(descriptor)
+
+
+class _Message:
+    """What travels: a descriptor that rebuilds itself on unpickling."""
+
+    __slots__ = ("descriptor",)
+
+    def __init__(self, descriptor: bytes):
+        self.descriptor = descriptor
+
+    def __reduce__(self):
+        return (_rebuild, (self.descriptor,))
+
+
+def _reduce_one(obj):
+    return (_rebuild, (_serialize.dumps(obj),))
+
+
+def _dumps(cls, obj, protocol=None):
+    parts = _serialize.split(obj, protocol=protocol)  # without tensors: as multiprocessing pickles it
+    if not parts[0]:  # pickled exactly as multiprocessing would, already
+        return _serialize.plain_pickle(parts[2])
+    sent = _serialize.export_object(obj, parts)
+    data = pickle.dumps(_Message(sent.data), pickle.HIGHEST_PROTOCOL)
+    if sent.live:
+        _channels.made(data, [sent])
+    return memoryview(data)
+
+
+def _tracked_send_bytes(original):
+    def _send_bytes(self, buf):
+        _channels.sending(self, buf, lambda b: original(self, b))
+
+    return _send_bytes
+
+
+def _tensor_view(obj) -> Optional[torch.Tensor]:
+    """A tensor on the storage of ``obj`` (a tensor, or a storage), to ask C++ about."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, torch.storage.TypedStorage):
+        obj = obj._untyped_storage
+    if isinstance(obj, torch.UntypedStorage):
+        return torch.empty(0, dtype=torch.uint8, device=obj.device).set_(obj)
+    return None
+
+
+def _guarded(torch_reducer: Optional[Callable]) -> Callable:
+    """torch's reducer for what torch_ipc does not own (Note [torch never sees our storages])."""
+
+    def reduce(obj):
+        t = _tensor_view(obj)
+        if t is not None and _C.is_torch_ipc_storage(t):
+            return _reduce_one(obj)
+        if torch_reducer is None:
+            return obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return torch_reducer(obj)
+
+    reduce.torch_reducer = torch_reducer
+    return reduce
+
+
+def _install_guards() -> None:
+    import torch.multiprocessing  # noqa: F401  (registers torch's reducers first, to wrap them)
+
+    for t in _REDUCED_TYPES:
+        reducer = ForkingPickler._extra_reducers.get(t)
+        if getattr(reducer, "torch_reducer", False) is False:  # not wrapped yet
+            ForkingPickler.register(t, _guarded(reducer))
+
+
+class _InheritReductions:
+    """The marker of Note [spawned children inherit the reductions]."""
+
+    def __reduce__(self):
+        return (_inherit, ())
+
+
+def _inherit() -> _InheritReductions:
+    init_reductions()
+    return _InheritReductions()
+
+
+def init_reductions() -> None:
+    """Make multiprocessing (and torch.multiprocessing) carry tensors through
+    torch_ipc. Idempotent; undo with :func:`restore_reductions`. Children
+    started afterwards have them on too (Note [spawned children inherit the
+    reductions]).
+
+    Example::
+
+        >>> import torch.multiprocessing as mp, torch_ipc
+        >>> torch_ipc.init_reductions()   # then use mp.Queue / Pipe / Pool as usual
+    """
+    global _saved
+    if _saved is not None:
+        return
+    _install_guards()
+    originals = {t: ForkingPickler._extra_reducers.get(t) for t in _REDUCED_TYPES}
+    send_bytes = _mpc.Connection.__dict__["_send_bytes"]
+    _saved = (ForkingPickler.__dict__["dumps"], originals, send_bytes)
+    ForkingPickler.dumps = classmethod(_dumps)
+    _mpc.Connection._send_bytes = _tracked_send_bytes(send_bytes)
+    for t in _REDUCED_TYPES:
+        ForkingPickler.register(t, _reduce_one)
+    multiprocessing.process.current_process()._config[_CONFIG_KEY] = _InheritReductions()
+
+
+def restore_reductions() -> None:
+    """Undo :func:`init_reductions`: torch's own reducers again. Idempotent."""
+    global _saved
+    if _saved is None:
+        return
+    dumps, originals, send_bytes = _saved
+    multiprocessing.process.current_process()._config.pop(_CONFIG_KEY, None)
+    ForkingPickler.dumps = dumps
+    _mpc.Connection._send_bytes = send_bytes
+    for t, reducer in originals.items():
+        if reducer is None:
+            ForkingPickler._extra_reducers.pop(t, None)
+        else:
+            ForkingPickler._extra_reducers[t] = reducer
+    _saved = None
+
+
+@contextlib.contextmanager
+def reductions() -> Iterator[None]:
+    """``with torch_ipc.reductions(): ...`` installs the reducers for the block."""
+    was_installed = _saved is not None
+    init_reductions()
+    try:
+        yield
+    finally:
+        if not was_installed:
+            restore_reductions()
+
+
+_install_guards()
