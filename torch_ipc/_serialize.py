@@ -23,6 +23,7 @@ import torch
 
 from . import _C, _runtime
 from .errors import CudaUnavailableError, DescriptorError
+from .pool import isolate_tensors
 
 __all__ = ["dumps", "loads"]
 
@@ -46,7 +47,7 @@ class _Pickler(ForkingPickler):
 
     def persistent_id(self, obj):
         if isinstance(obj, torch.Tensor):
-            if not _shared_natively(obj):
+            if not _C.shared_natively(obj):  # Note [one shareability rule] in csrc/core/export.cpp
                 return None
             kind, tensor, extra = _TENSOR, obj, ()
         elif isinstance(obj, torch.UntypedStorage):
@@ -67,10 +68,6 @@ class _Pickler(ForkingPickler):
         self._tensors.append(tensor)
         self._parameters.append(type(tensor) is torch.nn.Parameter)
         return (kind, len(self._tensors) - 1, *extra)
-
-
-def _shared_natively(t: torch.Tensor) -> bool:
-    return t.layout is torch.strided and not t.is_meta
 
 
 def _reduce_unshared_tensor(t: torch.Tensor):
@@ -122,6 +119,9 @@ class _Unpickler(pickle.Unpickler):
 # per state_dict entry. The shapes people send most (a tensor, a dict of
 # tensors such as a state_dict, a list or tuple of tensors) skip that: the
 # payload is then a tag byte and, for a dict, the pickled list of its keys.
+# A fast shape whose tensors torch_ipc does not all share itself (a sparse or
+# meta one among them) is pickled instead, decided up front by the one rule
+# (Note [one shareability rule] in csrc/core/export.cpp).
 _SINGLE = b""
 _DICT = b"D"
 _LIST = b"L"
@@ -135,11 +135,12 @@ def _flat(obj):
     """(tensors, is_parameter, payload) for the fast shapes, else payload None."""
     kind = type(obj)
     if kind is torch.Tensor:
-        return [obj], [False], _SINGLE
-    if kind is dict or kind is list or kind is tuple:
+        if _C.shared_natively(obj):
+            return [obj], [False], _SINGLE
+    elif kind is dict or kind is list or kind is tuple:
         values = list(obj.values()) if kind is dict else list(obj)
         types = set(map(type, values))
-        if values and types <= _PLAIN_SET:
+        if values and types <= _PLAIN_SET and _C.all_shared_natively(values):
             if torch.nn.Parameter in types:
                 parameters = [type(v) is torch.nn.Parameter for v in values]
             else:
@@ -199,8 +200,7 @@ def dumps(obj: Any, *, consumers: Optional[int] = 1, isolated: bool = False) -> 
 
 def export_object(obj: Any, parts=None, *, consumers: Optional[int] = 1, isolated: bool = False) -> "_C.Export":
     """Split (or take ``parts``, what :func:`split` returned for ``obj``) and
-    export. A fast-path split that met a tensor torch_ipc does not share
-    itself (meta, sparse) is redone through the pickler."""
+    export."""
     if consumers is None:
         if isolated:
             raise ValueError("torch_ipc: consumers=None cannot be combined with isolated=True")
@@ -208,18 +208,13 @@ def export_object(obj: Any, parts=None, *, consumers: Optional[int] = 1, isolate
     elif type(consumers) is not int or consumers < 1:
         raise ValueError(f"consumers must be None or an int of at least 1, not {consumers!r}")
     tensors, parameters, payload = parts if parts is not None else split(obj)
-    try:
-        return export(tensors, parameters, payload, consumers=consumers, isolated=isolated)
-    except RuntimeError:
-        if payload[:1] == _PICKLED or all(map(_shared_natively, tensors)):
-            raise
-    return export(*split(obj, fast=False), consumers=consumers, isolated=isolated)
+    return export(tensors, parameters, payload, consumers=consumers, isolated=isolated)
 
 
-def split(obj: Any, *, fast: bool = True, protocol=pickle.HIGHEST_PROTOCOL):
+def split(obj: Any, *, protocol=pickle.HIGHEST_PROTOCOL):
     """(tensors, is_parameter, payload): the tensors in ``obj`` and the rest
     (pickled with ``protocol`` where the fast paths do not apply)."""
-    tensors, parameters, payload = _flat(obj) if fast else (None, None, None)
+    tensors, parameters, payload = _flat(obj)
     if payload is None:
         tensors, parameters = [], []
         buf = io.BytesIO()
@@ -240,8 +235,6 @@ def export(tensors, parameters, payload: bytes, *, consumers: int = 1, isolated:
     _runtime.ensure_started()
     _runtime.check_not_shut_down()
     if isolated:
-        from .pool import isolate_tensors
-
         tensors = isolate_tensors(tensors)
     return _C.export_tensors(tensors, parameters, payload, consumers)
 

@@ -53,6 +53,7 @@ LeaseKey key_of(const LeaseRecord& l) {
   return {l.owner.pid, l.owner.start_time, l.segment, l.slot, l.generation};
 }
 
+// What shared_natively() does not cover is refused here with its reason.
 void check_shareable(const at::Tensor& t) {
   TORCH_IPC_CHECK(t.defined(), "torch_ipc: cannot share an undefined tensor");
   // torch's own refusal, word for word (torch/multiprocessing/reductions.py).
@@ -60,7 +61,9 @@ void check_shareable(const at::Tensor& t) {
               "Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd "
               "does not support crossing process boundaries.  If you just want to transfer the "
               "data, call detach() on the tensor before serializing (e.g., putting it on the queue).");
-  TORCH_IPC_CHECK(t.layout() == c10::kStrided, "torch_ipc shares strided tensors, not ", t.layout());
+  TORCH_IPC_CHECK(shared_natively(t), "torch_ipc exports strided tensors that have memory, not ",
+              t.is_meta() ? "a meta tensor" : "a sparse (or other non-strided) tensor",
+              "; torch_ipc.dumps sends those as torch.multiprocessing does");
   TORCH_IPC_CHECK(!t.is_quantized(), "torch_ipc cannot share quantized tensors");
   TORCH_IPC_CHECK(!t.is_neg() && !t.is_conj(),
               "torch_ipc: resolve lazy conjugation/negation first (tensor.resolve_conj())");
@@ -239,6 +242,18 @@ std::shared_ptr<Export> attach_leases_and_encode(Descriptor& d, TableBuilder& ta
 }
 
 }  // namespace
+
+// Note [one shareability rule]
+// A tensor torch_ipc exports itself is strided and has memory (not meta);
+// dumps() pickles any other tensor as torch.multiprocessing does (Note
+// [tensors torch_ipc does not share itself] in _serialize.py). This function
+// is that rule, for both sides: _serialize.py asks it (through
+// _C.shared_natively) before it takes a fast path or hands a tensor to
+// export_tensors, and check_shareable refuses what it rejects, so a refusal
+// here is an error, never a signal to retry another way.
+bool shared_natively(const at::Tensor& t) {
+  return t.defined() && t.layout() == c10::kStrided && !t.is_meta();
+}
 
 Export::Export(std::string data, std::optional<LeaseRecord> own, std::vector<LeaseRecord> forwarded,
                uint32_t consumers)

@@ -46,6 +46,10 @@ class __attribute__((visibility("hidden"))) Export {
   MadeHere made_;  // in a forked child, revoke() leaves the parent's message alone
 };
 
+// Whether export_tensors shares `t` itself: strided, with memory (not meta).
+// Note [one shareability rule] in export.cpp.
+bool shared_natively(const at::Tensor& t);
+
 // `is_parameter[i]`: rebuild tensor i as an nn.Parameter (Python knows, C++ does not).
 // `consumers`: loads to wait for; 0 for an open-ended export (Note [open-ended exports]).
 std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,

@@ -1,6 +1,8 @@
 // The core's Python face: export, load, describe, collect, shutdown, sweep, stats.
 #include <pybind11/stl.h>
 
+#include <algorithm>
+
 #include "core/export.h"
 #include "core/import.h"
 #include "core/maintenance.h"
@@ -88,6 +90,14 @@ void bind_core(py::module_& m) {
       .def("revoke", &Export::revoke);
   m.def("export_tensors", &export_tensors, py::arg("tensors"), py::arg("is_parameter"),
         py::arg("payload"), py::arg("consumers") = 1);
+  // Note [one shareability rule] in core/export.cpp: one tensor, or all of a list.
+  m.def("shared_natively", &shared_natively, py::arg("tensor"));
+  m.def(
+      "all_shared_natively",
+      [](const std::vector<at::Tensor>& tensors) {
+        return std::all_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return shared_natively(t); });
+      },
+      py::arg("tensors"));
   py::class_<PendingLoad, std::shared_ptr<PendingLoad>>(
       m, "PendingLoad",
       "What a load spends at its producers (a token, a forwarder's delivery) once it succeeded: "

@@ -101,10 +101,4 @@ def check_connections() -> None:
             e.revoke()
 
 
-def tracked() -> int:
-    """How many exports connections keep (for tests)."""
-    with _lock:
-        return sum(len(v) for v in _sent.values())
-
-
 _runtime.on_collect(check_connections)
