@@ -78,7 +78,7 @@ def _child_identity(conn, parent_d):
     d = torch_ipc.dumps(mine, consumers=1)
     conn.send(
         {
-            "self": tuple(_C._testing.fd_self()),
+            "self": tuple(_C.self_process()),
             "before": before,
             "after": torch_ipc.stats(),
             "descriptor": d,
@@ -110,7 +110,7 @@ def test_forked_child_has_its_own_identity_and_shares_both_ways(ipc_peer):
         assert torch.equal(z, torch.full((4,), 7.0))
         del z
         a.send("done")
-    assert out["self"] != tuple(_C._testing.fd_self())
+    assert out["self"] != tuple(_C.self_process())
     assert out["self"][0] == p.pid
     before = out["before"]
     assert (before["exports"], before["imports"], before["lease_segments"], before["host_segments"]) == (0, 0, 0, 0), before

@@ -30,7 +30,7 @@ def _header(status=0, total=0, first=0, count=0, flags=0) -> bytes:
 
 
 def _who():
-    return _C._testing.fd_self()
+    return _C.self_process()
 
 
 def _publish_and_unpublish():
@@ -40,7 +40,7 @@ def _publish_and_unpublish():
     _STATE.setdefault("fds", []).append(fd)
     ident = _C._testing.fd_publish([fd], [0])
     _C._testing.fd_unpublish(ident)
-    return _C._testing.fd_self(), ident
+    return _C.self_process(), ident
 
 
 def _publish(payload: bytes):
@@ -48,7 +48,7 @@ def _publish(payload: bytes):
     os.pwrite(fd, payload, 0)
     _STATE.setdefault("fds", []).append(fd)
     ident = _C._testing.fd_publish([fd], [len(payload)])
-    return (*_C._testing.fd_self(), ident, fd)
+    return (*_C.self_process(), ident, fd)
 
 
 def _listen_on(name: str) -> int:
@@ -64,7 +64,7 @@ def _serve_script(replies):
     """Stand in for this process's own fd server (it never starts one): answer
     the i-th connection with replies[i]; None hangs up without a word,
     "silent" never answers."""
-    pid, start = _C._testing.fd_self()
+    pid, start = _C.self_process()
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.bind("\0" + _C._testing.fd_socket_name(pid, start, 1))  # the server of export id 1
     s.listen(8)
@@ -103,7 +103,7 @@ def _shm_path(tag: str, pid: int = 0, start: int = 0) -> str:
     """The one /dev/shm file of kind `tag` (L: lease, H: host) of a process
     (this one by default), whatever the random part of its name."""
     if not pid:
-        pid, start = _C._testing.fd_self()
+        pid, start = _C.self_process()
     prefix = f"torch_ipc.{pid}.{start}.{tag}"
     [name] = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
     return "/dev/shm/" + name
@@ -117,7 +117,7 @@ def _unlink_own(tag: str) -> str:
 
 def _dumps_when_every_name_is_taken():
     """Take the names this process will draw next (every attempt), then export."""
-    pid, start = _C._testing.fd_self()
+    pid, start = _C.self_process()
     taken = 0x5EA5E0005EA5E000
     path = f"/dev/shm/torch_ipc.{pid}.{start}.L{taken & 0xFFFFFFFF:08x}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -210,7 +210,7 @@ def test_name_held_by_another_process(peer):
             _fetch(owner, 1)
         assert info.value.errno == errno.EPROTO
     # A producer that has exited (here: one that never was): ProducerGone.
-    me, _ = _C._testing.fd_self()
+    me, _ = _C.self_process()
     fake = (me, 1)
     squatter = peer.call(_listen_on, _C._testing.fd_socket_name(*fake, 1))
     with pytest.raises(torch_ipc.ProducerGoneError, match=rf"pid {me}\) has exited; .*served by pid {squatter}"):

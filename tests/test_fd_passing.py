@@ -27,7 +27,7 @@ def _publish(payloads):
     ident = _C._testing.fd_publish(fds, [len(p) for p in payloads])
     _STATE.setdefault("fds", []).extend(fds)
     _STATE.setdefault("ids", []).append(ident)
-    pid, start = _C._testing.fd_self()
+    pid, start = _C.self_process()
     return pid, start, ident, fds
 
 
@@ -44,7 +44,7 @@ def _stats():
 
 
 def _who():
-    return _C._testing.fd_self()
+    return _C.self_process()
 
 
 def _read_all(items):
@@ -190,7 +190,7 @@ def test_process_without_server_is_a_clear_error(bystander):
 def test_server_pid_must_match_the_producer(producer):
     # A process that listens on the name of another (here: of this test's
     # process with a made-up start time) is not the producer.
-    me, _ = _C._testing.fd_self()
+    me, _ = _C.self_process()
     fake = (me, 1)
     impostor_pid = producer.call(_impostor, _C._testing.fd_socket_name(*fake, 1))
     with pytest.raises(torch_ipc.ProducerGoneError, match=f"served by pid {impostor_pid}, not by the producer"):

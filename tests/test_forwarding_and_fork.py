@@ -188,10 +188,11 @@ def test_relay_gives_back_a_delivery_its_peer_never_loaded(tmp_path):
 def test_a_connection_over_a_pipe_does_not_break_the_checks():
     from multiprocessing import Pipe
 
+    from torch_ipc._process import self_process
     from torch_ipc.mp.connection import Connection, _check_peers
 
     a, b = Pipe(duplex=False)
-    conn = Connection(a, os.getpid())
+    conn = Connection(a, self_process())
     conn._sent.append(_export(torch.zeros(2)))  # as if it had been sent on it
     _check_peers()  # must not raise
     assert conn._peer_closed() is False

@@ -83,12 +83,12 @@ def test_handshake_timeout_must_be_positive():
 
 
 def _lying_client(address, authkey: bytes, claimed_pid: int) -> int:
-    """Connect as a torch_ipc client that says it is `claimed_pid`; return
-    the pid the listener says it is."""
+    """Connect as a torch_ipc client that says it is `claimed_pid` (with its
+    own start time); return the pid the listener says it is."""
     conn = mpc.Client(address, authkey=authkey)
     try:
-        conn.send_bytes(struct.pack("<I", claimed_pid))
-        return struct.unpack("<I", conn.recv_bytes(16))[0]
+        conn.send_bytes(struct.pack("<IQ", claimed_pid, torch_ipc._C.self_process()[1]))
+        return struct.unpack("<IQ", conn.recv_bytes(32))[0]
     finally:
         conn.close()
 

@@ -31,7 +31,7 @@ _STATE = {}
 
 def _queue(values):
     _C._testing.queue_random(list(values))
-    return _C._testing.fd_self()
+    return _C.self_process()
 
 
 def _export_and_publish():

@@ -30,7 +30,7 @@ SHM = "/dev/shm"
 def _alive_prefix() -> str:
     """torch_ipc.<pid>.<start>. of this (live) process: only the lock may
     decide about files named so (a pid check would call them alive)."""
-    pid, start = _C._testing.fd_self()
+    pid, start = _C.self_process()
     return f"torch_ipc.{pid}.{start}."
 
 

@@ -11,6 +11,7 @@ namespace py = pybind11;
 
 void bind_errors(py::module_& m);     // errors.cpp: C++ exception types -> torch_ipc.errors
 void bind_core(py::module_& m);       // core.cpp: export, load, collect, stats
+void bind_process(py::module_& m);    // process.cpp: this process, and whether another lives
 void bind_ipc_event(py::module_& m);  // ipc_event.cpp: IpcEvent
 void bind_vmm(py::module_& m);        // vmm.cpp: SharedPool memory
 void bind_kv(py::module_& m);         // kv.cpp: BlockAllocator of torch_ipc.kv

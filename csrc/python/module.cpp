@@ -8,6 +8,7 @@ PYBIND11_MODULE(_C, m) {
   using namespace torch_ipc::python;
   bind_errors(m);
   bind_core(m);
+  bind_process(m);
   bind_ipc_event(m);
   bind_vmm(m);
   bind_kv(m);

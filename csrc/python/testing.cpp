@@ -22,7 +22,6 @@ void bind_testing(py::module_& m) {
     a.stall_mid_operation_for_tests();
   });
   // fd passing primitives: publish fds of this process, fetch another's.
-  testing.def("fd_self", [] { return py::make_tuple(self_process().pid, self_process().start_time); });
   // The socket that serves export `id` of a process (Note [fd server name]).
   testing.def("fd_socket_name", [](uint32_t pid, uint64_t start_time, uint64_t id) {
     return fd_socket_name(ProcessId{pid, start_time}, static_cast<uint32_t>(id >> 32));

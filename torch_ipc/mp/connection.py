@@ -1,12 +1,11 @@
 """Listener/Client over multiprocessing.connection, carrying tensors zero-copy.
 
 Every message is one descriptor (see torch_ipc.dumps). An authkey is always
-required. Each side learns the other's pid after authentication, so that
-what one side sent and the other never loaded is given back when the peer
+required. Each side learns the other's process (pid and start time) after
+authentication, so that what one side sent and the other never loaded is given back when the peer
 closes the connection or dies (Note [connection lifetime]).
 """
 
-import os
 import secrets
 import socket
 import struct
@@ -18,7 +17,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing import connection as mpc
 from typing import Any, List, Optional, Tuple, Union
 
-from .. import _C, _runtime, _serialize
+from .. import _C, _process, _runtime, _serialize
 
 __all__ = ["Listener", "Client", "Connection", "listen", "connect"]
 
@@ -35,19 +34,9 @@ Address = Union[str, tuple]
 # A connection keeps the exports it sent while they are live; an export that
 # every consumer released is dropped from the list at the next prune.
 _open_connections: "weakref.WeakSet[Connection]" = weakref.WeakSet()
-_orphans: List[Tuple[int, List[_C.Export]]] = []  # (peer pid, exports it may still load)
+_orphans: List[Tuple[_process.ProcessId, List[_C.Export]]] = []  # (peer, exports it may still load)
 _open_lock = threading.RLock()  # RLock: Connection.__del__ may run inside a locked region
 _PRUNE_EVERY = 64  # sent exports between two prunes of the dead ones
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def _live(exports: List[_C.Export]) -> List[_C.Export]:
@@ -64,11 +53,11 @@ def _check_peers() -> None:
     gone, kept = [], []
     with _open_lock:
         conns = list(_open_connections)
-        for pid, exports in _orphans:
-            if not _pid_alive(pid):
+        for peer, exports in _orphans:
+            if not _process.alive(peer):
                 gone.append(exports)
             elif live := _live(exports):
-                kept.append((pid, live))
+                kept.append((peer, live))
         _orphans[:] = kept
     for exports in gone:
         _revoke(exports)
@@ -86,9 +75,9 @@ _runtime.on_collect(_check_peers)
 class Connection:
     """One end of a torch_ipc connection: ``send(obj)``, ``recv()``, ``close()``."""
 
-    def __init__(self, conn: mpc.Connection, peer_pid: int):
+    def __init__(self, conn: mpc.Connection, peer: _process.ProcessId):
         self._conn = conn
-        self.peer_pid = peer_pid
+        self._peer = peer
         self._sent: List[_C.Export] = []  # what we sent that the peer may still load
         with _open_lock:
             _open_connections.add(self)
@@ -116,8 +105,13 @@ class Connection:
     def closed(self) -> bool:
         return self._conn.closed
 
+    @property
+    def peer_pid(self) -> int:
+        """The pid of the process at the other end (Note [peer pid])."""
+        return self._peer[0]
+
     def _peer_alive(self) -> bool:
-        return _pid_alive(self.peer_pid)
+        return _process.alive(self._peer)
 
     def _peer_closed(self) -> bool:
         """True when the peer closed its end (end of file is next to read)."""
@@ -147,7 +141,7 @@ class Connection:
         with _open_lock:
             sent, self._sent = _live(self._sent), []
             if sent:
-                _orphans.append((self.peer_pid, sent))
+                _orphans.append((self._peer, sent))
             _open_connections.discard(self)
         self._conn.close()
 
@@ -165,13 +159,17 @@ class Connection:
 
 
 # Note [peer pid]
-# Both sides send their pid after authentication, but a pid that the peer
+# Both sides send their process (pid and start time, Note [liveness through
+# pidfd] in csrc/os/process.cpp) after authentication, but a pid that the peer
 # says is only as true as the peer: one that names another process would make
 # us revoke what we sent when that process exits, or keep it while the real
 # peer is long gone. Where the transport knows the peer (a Unix socket:
 # SO_PEERCRED, the pid of the process that connected or listened, as our PID
-# namespace sees it) that pid is taken; the one sent counts only over TCP.
+# namespace sees it) that pid is taken; the one sent counts only over TCP. The
+# start time is the peer's word (the kernel does not tell it): a false one can
+# only make us take the peer for dead and give back what it did not load.
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_IDENTITY = struct.Struct("<IQ")  # pid, start time
 
 
 def _peer_pid_from_kernel(conn: mpc.Connection) -> int:
@@ -191,13 +189,13 @@ def _peer_pid_from_kernel(conn: mpc.Connection) -> int:
         sock.detach()
 
 
-def _exchange_pids(conn: mpc.Connection) -> int:
-    conn.send_bytes(struct.pack("<I", os.getpid()))
-    data = conn.recv_bytes(16)
-    if len(data) != 4:
-        raise ConnectionError("torch_ipc: the peer is not a torch_ipc endpoint")
-    said = struct.unpack("<I", data)[0]
-    return _peer_pid_from_kernel(conn) or said  # Note [peer pid]
+def _exchange_identities(conn: mpc.Connection) -> _process.ProcessId:
+    conn.send_bytes(_IDENTITY.pack(*_process.self_process()))
+    data = conn.recv_bytes(32)
+    if len(data) != _IDENTITY.size:
+        raise ConnectionError("torch_ipc: the peer is not a torch_ipc endpoint of this version")
+    said_pid, start_time = _IDENTITY.unpack(data)
+    return _peer_pid_from_kernel(conn) or said_pid, start_time  # Note [peer pid]
 
 
 # Note [handshake time limit]
@@ -222,14 +220,14 @@ def _set_io_timeout(conn: mpc.Connection, seconds: float) -> None:
         sock.detach()
 
 
-def _accept_handshake(conn: mpc.Connection, authkey: bytes, timeout: float) -> int:
-    """Authenticate a client that just connected; its pid."""
+def _accept_handshake(conn: mpc.Connection, authkey: bytes, timeout: float) -> _process.ProcessId:
+    """Authenticate a client that just connected; its process."""
     _set_io_timeout(conn, timeout)
     mpc.deliver_challenge(conn, authkey)
     mpc.answer_challenge(conn, authkey)
-    pid = _exchange_pids(conn)
+    peer = _exchange_identities(conn)
     _set_io_timeout(conn, 0)
-    return pid
+    return peer
 
 
 def _refusal(e: BaseException, timeout: float) -> str:
@@ -346,7 +344,7 @@ def Client(address: Address, family: Optional[str] = None, authkey: Optional[byt
     except OSError as e:
         raise _with_address(e, f"cannot connect to {address!r}",
                             "start the listener first, or check the address") from None
-    return Connection(conn, _exchange_pids(conn))
+    return Connection(conn, _exchange_identities(conn))
 
 
 def connect(address: Address, *, authkey: bytes) -> Connection:

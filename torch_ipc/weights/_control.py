@@ -2,20 +2,20 @@
 and its subscribers read and write with sequentially consistent atomics.
 """
 
-import os
 import time
 from typing import Callable
 
 import torch
 
-from .. import _C
+from .. import _C, _process
 
 # Note [weights consistency protocol]
 # A subscriber must never copy a version the publisher is overwriting, and the
 # publisher must not block on the GPU work of its subscribers. The block has:
 #   PUBLISHED  the newest complete version (0: none yet)
 #   WRITING    1 while publish() writes the shared buffer
-#   per subscriber slot r: OWNER (pid), READING (1 while it reads), PULLS,
+#   PUBLISHER  the publisher's process word (Note [process words]); 0 once closed
+#   per subscriber slot r: OWNER (its process word; -1 reserved, 0 free), READING (1 while it reads), PULLS,
 #   TAKEN (bucketed mode); and, outside the block, DONE_EVENT[r]: an IpcEvent
 #   the subscriber records after its copies (one per staging half, bucketed)
 # Direct mode, one snapshot buffer:
@@ -39,8 +39,18 @@ from .. import _C
 # STREAM_BASE before the first bucket). publish() returns when every member
 # took the last bucket.
 
-MAGIC_VALUE = 0x7765_6967_6874_7301  # "weights" and layout version 1
-MAGIC, PUBLISHED, WRITING, BUCKET_SEQ, STREAM_BASE, STREAM_VERSION, MEMBERS, PUBLISHER_PID = range(8)
+# Note [process words]
+# OWNER and PUBLISHER name a process by pid AND start time (torch_ipc._process),
+# as every liveness check of torch_ipc does, so a recycled pid never keeps a
+# dead subscriber's slot or passes for a dead publisher. Claiming a slot must
+# stay one compare-exchange, so both go in one int64: the pid in the low 22
+# bits (Linux pids stay below PID_MAX_LIMIT, 2**22) and the start time (clock
+# ticks after boot) in the 41 above (700 years at 100 ticks a second); the
+# word is positive, leaving 0 and -1 for "free" and "reserved".
+_PID_BITS = 22
+
+MAGIC_VALUE = 0x7765_6967_6874_7302  # "weights" and layout version 2
+MAGIC, PUBLISHED, WRITING, BUCKET_SEQ, STREAM_BASE, STREAM_VERSION, MEMBERS, PUBLISHER = range(8)
 HEADER = 8
 OWNER, READING, PULLS, TAKEN = range(4)
 SLOT_WORDS = 4
@@ -52,7 +62,7 @@ def new_block(max_subscribers: int) -> torch.Tensor:
         raise ValueError(f"max_subscribers must be in 1..{MAX_SUBSCRIBERS}, not {max_subscribers}")
     # torch_ipc moves it into shared memory (in place) at the first attach
     block = torch.zeros(HEADER + SLOT_WORDS * max_subscribers, dtype=torch.int64)
-    block[PUBLISHER_PID] = os.getpid()
+    block[PUBLISHER] = self_word()
     block[MAGIC] = MAGIC_VALUE
     return block
 
@@ -85,16 +95,21 @@ class Counters:
         return _C.counter_compare_exchange(self.block, index, expected, desired)
 
 
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+def self_word() -> int:
+    """This process as an OWNER or PUBLISHER word (Note [process words])."""
+    pid, start_time = _process.self_process()
+    if pid >> _PID_BITS or start_time >> (63 - _PID_BITS):
+        raise RuntimeError(f"torch_ipc.weights: process ({pid}, {start_time}) does not fit a control word")
+    return start_time << _PID_BITS | pid
+
+
+def word_pid(word: int) -> int:
+    return word & ((1 << _PID_BITS) - 1)
+
+
+def word_alive(word: int) -> bool:
+    """Whether the process of a word (0, -1: none) still runs."""
+    return word > 0 and _process.alive((word_pid(word), word >> _PID_BITS))
 
 
 def spin_until(ready: Callable[[], bool], check: Callable[[], None], deadline: float) -> None:

@@ -17,7 +17,7 @@ class Share:
     descriptor: bytes
     layout: Layout
     slot: int
-    publisher_pid: int
+    publisher: int  # its process word (Note [process words] in _control.py)
     epoch: int  # random per Publisher: a restarted trainer is a new epoch
     publish_event: Any  # IpcEvent or None: recorded after each publish (direct mode)
     staging_events: Tuple[Any, ...]  # (half 0, half 1) in bucketed mode

@@ -1,7 +1,6 @@
 """Publisher: the trainer's side. Shares its weights once per subscriber, then
 publishes each new version with a few counter stores and one launch."""
 
-import os
 import secrets
 import time
 from typing import Dict, Optional, Union
@@ -9,6 +8,7 @@ from typing import Dict, Optional, Union
 import torch
 
 from .. import _serialize
+from ..pool import SharedPool
 from . import _control as ctl
 from ._copy import BatchedCopy
 from ._events import new_event
@@ -95,8 +95,6 @@ class Publisher:
 
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
         if self.device.type == "cuda":
-            from ..pool import SharedPool
-
             # Note [weights in shareable memory]
             # The buffer is a cuMemCreate allocation of its own: a subscriber
             # maps exactly it (no neighbour of torch's caching allocator), and
@@ -123,7 +121,7 @@ class Publisher:
         done = tuple(new_event(self.device) for _ in range(2 if self.layout.bucket_bytes else 1))
         self._done[slot] = done
         descriptor = _serialize.dumps({"buffer": self._buffer, "control": self._block})
-        send(conn, Share(descriptor, self.layout, slot, os.getpid(), self._epoch,
+        send(conn, Share(descriptor, self.layout, slot, self._counters.load(ctl.PUBLISHER), self._epoch,
                          self._publish_event, self._staging_events, done))
         return slot
 
@@ -131,7 +129,7 @@ class Publisher:
         c = self._counters
         for r in range(ctl.slots(self._block)):
             owner = c.load(ctl.slot_index(r, ctl.OWNER))
-            if owner == 0 or (owner > 0 and not ctl.pid_alive(owner)):
+            if owner == 0 or (owner > 0 and not ctl.word_alive(owner)):
                 self._done.pop(r, None)
                 return r
         raise RuntimeError(f"torch_ipc.weights: all {ctl.slots(self._block)} subscriber slots are taken "
@@ -141,7 +139,7 @@ class Publisher:
         """Forget the subscriber of `slot` if its process died."""
         c = self._counters
         owner = c.load(ctl.slot_index(slot, ctl.OWNER))
-        if owner > 0 and not ctl.pid_alive(owner):
+        if owner > 0 and not ctl.word_alive(owner):
             c.store(ctl.slot_index(slot, ctl.READING), 0)
             c.store(ctl.slot_index(slot, ctl.OWNER), 0)
             self._done.pop(slot, None)
@@ -250,7 +248,7 @@ class Publisher:
         if self._closed:
             return
         self._closed = True
-        self._counters.store(ctl.PUBLISHER_PID, 0)
+        self._counters.store(ctl.PUBLISHER, 0)
 
     def __enter__(self) -> "Publisher":
         return self

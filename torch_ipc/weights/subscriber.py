@@ -2,7 +2,6 @@
 version into its own model (or views it in place)."""
 
 import contextlib
-import os
 import time
 from typing import Any, Dict, Iterator, Mapping, Optional
 
@@ -11,6 +10,7 @@ import torch
 from .. import _serialize
 from . import _control as ctl
 from ._errors import PublisherGoneError
+from ._layout import typed_view
 from ._plan import NameMap, PullPlan, Transform
 from ._share import Share, named_tensors, receive
 
@@ -99,10 +99,12 @@ class Subscriber:
         self._detach()
         state = _serialize.loads(share.descriptor)
         counters = ctl.Counters(state["control"])
-        claimed = counters.compare_exchange(ctl.slot_index(share.slot, ctl.OWNER), -1, os.getpid())
+        me = ctl.self_word()
+        claimed = counters.compare_exchange(ctl.slot_index(share.slot, ctl.OWNER), -1, me)
         if claimed != -1:
             raise RuntimeError(f"torch_ipc.weights: subscriber slot {share.slot} is already claimed "
-                               f"(by pid {claimed}): each attach() message is for one Subscriber")
+                               f"(by pid {ctl.word_pid(claimed)}): each attach() message is for one Subscriber")
+        self._me = me
         self._share, self._buffer, self._counters = share, state["buffer"], counters
         self._slot = share.slot
         self._device = self._buffer.device
@@ -112,18 +114,18 @@ class Subscriber:
     def _detach(self) -> None:
         if self._share is None:
             return
-        self._counters.compare_exchange(self._index[ctl.OWNER], os.getpid(), 0)
+        self._counters.compare_exchange(self._index[ctl.OWNER], self._me, 0)
         self._share = self._buffer = self._counters = self._views = None
         self._plans.clear()
 
     def publisher_alive(self) -> bool:
         """Whether the publisher this subscriber is attached to still runs."""
         share = self._share
-        return share is not None and self._counters.load(ctl.PUBLISHER_PID) == share.publisher_pid \
-            and ctl.pid_alive(share.publisher_pid)
+        return share is not None and self._counters.load(ctl.PUBLISHER) == share.publisher \
+            and ctl.word_alive(share.publisher)
 
     def _gone(self, during: str = "") -> PublisherGoneError:
-        pid = self._share.publisher_pid if self._share else "?"
+        pid = ctl.word_pid(self._share.publisher) if self._share else "?"
         return PublisherGoneError(
             f"torch_ipc.weights: the publisher (pid {pid}) exited{during} and no new publisher has attached; "
             f"the model keeps version {self.version}")
@@ -276,8 +278,6 @@ class Subscriber:
         try:
             self._after_publish()
             if self._views is None:
-                from ._layout import typed_view
-
                 self._views = {e.name: typed_view(self._buffer, e.offset, e.dtype, e.numel).view(e.shape)
                                for e in self._share.layout.entries}
             yield dict(self._views)
