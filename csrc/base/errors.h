@@ -1,6 +1,7 @@
 // The C++ exception types of torch_ipc; csrc/python/ maps each to its Python class.
 // Implementation files throw these (bad arguments and usage limits through the
-// TORCH_IPC_CHECK macros below), never std::runtime_error, never print.
+// TORCH_IPC_CHECK macros below), never a bare std::runtime_error or another
+// std:: exception (std::invalid_argument, std::out_of_range), never print.
 //
 // Note [no c10 errors]
 // A c10::Error (TORCH_CHECK) gathers a C++ backtrace when it is made, costly

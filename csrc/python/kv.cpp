@@ -6,33 +6,86 @@
 
 namespace torch_ipc::python {
 
+namespace {
+
+using Allocator = BlockAllocator;
+using ReleaseGil = py::call_guard<py::gil_scoped_release>;
+
+// Block ids cross as bytes of int64s (torch_ipc/kv packs them): no per-id
+// conversion.
+std::pair<const int64_t*, size_t> ids_of(const py::bytes& packed) {
+  std::string_view v = packed;
+  TORCH_IPC_CHECK_VALUE(v.size() % sizeof(int64_t) == 0, "torch_ipc: packed block ids must be int64s");
+  return {reinterpret_cast<const int64_t*>(v.data()), v.size() / sizeof(int64_t)};
+}
+
+py::tuple process_tuple(const ProcessId& p) { return py::make_tuple(p.pid, p.start_time); }
+
+// Who holds which block: hand-outs, hand-backs, hand-overs and the holders.
+void bind_block_ownership(py::class_<Allocator>& c) {
+  c.def("allocate", &Allocator::allocate, py::arg("n"), ReleaseGil())
+      .def("free",
+           [](Allocator& a, const py::bytes& ids) {
+             auto [p, n] = ids_of(ids);
+             py::gil_scoped_release release;
+             a.free(p, n);
+           })
+      .def("check_held",
+           [](const Allocator& a, const py::bytes& ids) {
+             auto [p, n] = ids_of(ids);
+             py::gil_scoped_release release;
+             a.check_held(p, n);
+           })
+      .def("take_over",
+           [](Allocator& a, const py::bytes& ids, uint32_t slot, uint32_t pid, uint64_t start_time) {
+             auto [p, n] = ids_of(ids);
+             py::gil_scoped_release release;
+             a.take_over(p, n, slot, ProcessId{pid, start_time});
+           })
+      .def("reclaim_dead", &Allocator::reclaim_dead, ReleaseGil())
+      .def("holder_of",
+           [](const Allocator& a, int64_t id) {
+             ProcessId p;
+             {
+               py::gil_scoped_release release;
+               p = a.holder_of(id);
+             }
+             return process_tuple(p);
+           })
+      .def("holders",
+           [](const Allocator& a) {
+             std::vector<PoolHolder> holders;
+             {
+               py::gil_scoped_release release;
+               holders = a.holders();
+             }
+             py::list out;
+             for (const auto& h : holders) out.append(py::make_tuple(process_tuple(h.process), h.blocks));
+             return out;
+           })
+      .def("held_by_self", &Allocator::held_by_self, ReleaseGil());
+}
+
+}  // namespace
+
+// Every call that takes the pool's lock releases the GIL: the lock may be held
+// by another process (Note [block ownership under a robust mutex]), and the
+// collector thread calls reclaim_dead.
 void bind_kv(py::module_& m) {
-  // Block ids cross as bytes of int64s (torch_ipc/kv packs them): no per-id
-  // conversion. Every call that takes the pool's lock releases the GIL: the
-  // lock may be held by another process (Note [block ownership under a robust
-  // mutex]), and the collector thread calls reclaim_dead.
-  using Allocator = BlockAllocator;
-  using ReleaseGil = py::call_guard<py::gil_scoped_release>;
-  auto ids_of = [](const py::bytes& packed) {
-    std::string_view v = packed;
-    TORCH_IPC_CHECK_VALUE(v.size() % sizeof(int64_t) == 0, "torch_ipc: packed block ids must be int64s");
-    return std::make_pair(reinterpret_cast<const int64_t*>(v.data()), v.size() / sizeof(int64_t));
-  };
-  auto process = [](const ProcessId& p) { return py::make_tuple(p.pid, p.start_time); };
-  py::class_<Allocator>(m, "BlockAllocator", "who holds each block of a KV pool, in shared memory")
-      .def_static(
-          "create",
-          [](const std::vector<int64_t>& shape, at::ScalarType dtype, uint64_t max_blocks) {
-            return Allocator::create(BlockLayout{shape, static_cast<int32_t>(dtype), 0}, max_blocks);
-          },
-          py::arg("shape"), py::arg("dtype"), py::arg("max_blocks"), ReleaseGil())
+  py::class_<Allocator> c(m, "BlockAllocator", "who holds each block of a KV pool, in shared memory");
+  c.def_static(
+       "create",
+       [](const std::vector<int64_t>& shape, at::ScalarType dtype, uint64_t max_blocks) {
+         return Allocator::create(BlockLayout{shape, static_cast<int32_t>(dtype), 0}, max_blocks);
+       },
+       py::arg("shape"), py::arg("dtype"), py::arg("max_blocks"), ReleaseGil())
       .def_static(
           "attach",
           [](const std::string& name, uint32_t pid, uint64_t start_time) {
             return Allocator::attach(name, ProcessId{pid, start_time});
           },
           py::arg("name"), py::arg("pid"), py::arg("start_time"), ReleaseGil())
-      .def_static("self_process", [=] { return process(self_process()); })
+      .def_static("self_process", [] { return process_tuple(self_process()); })
       .def_readonly_static("max_chunks", &Allocator::kMaxChunks)
       .def_property_readonly("name", &Allocator::name)
       .def_property_readonly("layout",
@@ -43,54 +96,14 @@ void bind_kv(py::module_& m) {
       .def_property_readonly("num_blocks", &Allocator::num_blocks)
       .def_property_readonly("max_blocks", &Allocator::max_blocks)
       .def_property_readonly("free_blocks", &Allocator::free_blocks)
-      .def_property_readonly("slot", &Allocator::slot)
-      .def("allocate", &Allocator::allocate, py::arg("n"), ReleaseGil())
-      .def("free",
-           [=](Allocator& a, const py::bytes& ids) {
-             auto [p, n] = ids_of(ids);
-             py::gil_scoped_release release;
-             a.free(p, n);
-           })
-      .def("check_held",
-           [=](const Allocator& a, const py::bytes& ids) {
-             auto [p, n] = ids_of(ids);
-             py::gil_scoped_release release;
-             a.check_held(p, n);
-           })
-      .def("take_over",
-           [=](Allocator& a, const py::bytes& ids, uint32_t slot, uint32_t pid, uint64_t start_time) {
-             auto [p, n] = ids_of(ids);
-             py::gil_scoped_release release;
-             a.take_over(p, n, slot, ProcessId{pid, start_time});
-           })
-      .def("reclaim_dead", &Allocator::reclaim_dead, ReleaseGil())
-      .def("holder_of",
-           [=](const Allocator& a, int64_t id) {
-             ProcessId p;
-             {
-               py::gil_scoped_release release;
-               p = a.holder_of(id);
-             }
-             return process(p);
-           })
-      .def("holders",
-           [=](const Allocator& a) {
-             std::vector<PoolHolder> holders;
-             {
-               py::gil_scoped_release release;
-               holders = a.holders();
-             }
-             py::list out;
-             for (const auto& h : holders) out.append(py::make_tuple(process(h.process), h.blocks));
-             return out;
-           })
-      .def("held_by_self", &Allocator::held_by_self, ReleaseGil())
-      .def("add_chunk",
-           [](Allocator& a, uint64_t count, const py::bytes& d) {
-             std::string descriptor = d;
-             py::gil_scoped_release release;
-             a.add_chunk(count, descriptor);
-           })
+      .def_property_readonly("slot", &Allocator::slot);
+  bind_block_ownership(c);
+  c.def("add_chunk",
+        [](Allocator& a, uint64_t count, const py::bytes& d) {
+          std::string descriptor = d;
+          py::gil_scoped_release release;
+          a.add_chunk(count, descriptor);
+        })
       .def("chunks",
            [](const Allocator& a, size_t from) {
              std::vector<PoolChunk> chunks;

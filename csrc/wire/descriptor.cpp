@@ -167,6 +167,61 @@ void check_tensor(const TensorRecord& t, uint64_t storage_bytes) {
     bad("a tensor view runs past its storage (" + std::to_string(storage_bytes) + " bytes)");
 }
 
+// decode() in steps: the header, then each table in the order of Note
+// [descriptor layout], each record checked against the tables before it.
+struct Counts {
+  uint16_t devices, events, leases;
+  uint32_t allocs, storages, tensors, payload;
+};
+
+// The header: magic, version, flags, length, counts, producer, boot id; the
+// checksum over the whole buffer; and whether the fixed-size tables fit.
+Counts read_header(Reader& r, const uint8_t* data, size_t size, Descriptor& d) {
+  if (size < 4 || r.get<uint32_t>("magic") != kMagic)
+    bad("bad magic number (this is not a torch_ipc descriptor)");
+  uint16_t version = r.get<uint16_t>("version");
+  if (version != kVersion)
+    throw DescriptorError("torch_ipc descriptor has format version " + std::to_string(version) +
+                          "; this build reads version " + std::to_string(kVersion));
+  d.flags = r.get<uint16_t>("flags");
+  if (d.flags & ~(kHasCuda | kHasCpu | kOpenEnded)) bad("unknown header flags");
+  uint32_t total = r.get<uint32_t>("length");
+  if (total != size)
+    bad("length field says " + std::to_string(total) + " bytes but " + std::to_string(size) +
+        " were given (truncated or padded)");
+  Counts n;
+  n.devices = r.get<uint16_t>("device count");
+  n.events = r.get<uint16_t>("event count");
+  n.leases = r.get<uint16_t>("lease count");
+  if (r.get<uint16_t>("reserved") != 0) bad("reserved header field is not zero");
+  n.allocs = r.get<uint32_t>("alloc count");
+  n.storages = r.get<uint32_t>("storage count");
+  n.tensors = r.get<uint32_t>("tensor count");
+  n.payload = r.get<uint32_t>("payload length");
+  d.producer.pid = r.get<uint32_t>("producer pid");
+  d.producer.start_time = r.get<uint64_t>("producer start time");
+  r.bytes(d.boot_id.data(), 16, "boot id");
+  uint64_t sum = r.get<uint64_t>("checksum");
+  if (sum != checksum(data, size)) bad("checksum mismatch (the bytes were corrupted or changed)");
+
+  // Fixed-size tables: check they fit before allocating anything for them.
+  uint64_t fixed = 16ull * n.devices + uint64_t(kEventBytes) * n.events +
+                   uint64_t(kLeaseBytes) * n.leases + uint64_t(kAllocBytes) * n.allocs +
+                   uint64_t(kStorageBytes) * n.storages +
+                   uint64_t(kTensorHeadBytes) * n.tensors + n.payload;
+  if (fixed > r.left()) bad("tables and payload need more bytes than the descriptor holds");
+  return n;
+}
+
+EventRecord read_event(Reader& r, const Counts& n) {
+  EventRecord e;
+  e.device = r.get<uint16_t>("event device");
+  check_index(e.device, n.devices, "event device");
+  r.zeros(6, "event padding");
+  r.bytes(e.handle.data(), 64, "event handle");
+  return e;
+}
+
 LeaseRecord read_lease(Reader& r) {
   LeaseRecord l;
   l.owner.pid = r.get<uint32_t>("lease pid");
@@ -175,7 +230,72 @@ LeaseRecord read_lease(Reader& r) {
   l.slot = r.get<uint32_t>("lease slot");
   r.zeros(4, "lease padding");
   l.generation = r.get<uint64_t>("lease generation");
+  if (l.owner.pid == 0 || l.generation == 0) bad("lease names no process or generation");
   return l;
+}
+
+AllocRecord read_alloc(Reader& r, const Counts& n) {
+  AllocRecord a;
+  uint8_t kind = r.get<uint8_t>("alloc kind");
+  if (!valid_kind(kind)) bad("unknown allocation kind " + std::to_string(kind));
+  a.kind = static_cast<AllocKind>(kind);
+  r.zeros(1, "alloc padding");
+  a.device = r.get<uint16_t>("alloc device");
+  if (a.kind == AllocKind::CpuShm) {
+    if (a.device != kNone16) bad("a host allocation names a GPU");
+  } else {
+    check_index(a.device, n.devices, "alloc device");
+  }
+  a.lease = r.get<uint16_t>("alloc lease");
+  check_index(a.lease, n.leases, "alloc lease");
+  r.zeros(2, "alloc padding");
+  a.size = r.get<uint64_t>("alloc size");
+  r.bytes(a.handle.data(), 64, "alloc handle");
+  if (a.size == 0) bad("an allocation of zero bytes");
+  return a;
+}
+
+StorageRecord read_storage(Reader& r, const Counts& n, const std::vector<AllocRecord>& allocs) {
+  StorageRecord s;
+  s.alloc = r.get<uint32_t>("storage alloc");
+  s.empty_device = r.get<uint16_t>("storage device");
+  r.zeros(2, "storage padding");
+  s.offset = r.get<uint64_t>("storage offset");
+  s.nbytes = r.get<uint64_t>("storage size");
+  if (s.alloc == kNoAlloc) {
+    if (s.nbytes != 0 || s.offset != 0) bad("a storage without memory has a size");
+    if (s.empty_device != kNone16) check_index(s.empty_device, n.devices, "storage device");
+    return s;
+  }
+  check_index(s.alloc, n.allocs, "storage alloc");
+  if (s.empty_device != kNone16) bad("a storage with memory names a device of its own");
+  const AllocRecord& a = allocs[s.alloc];
+  if (s.offset > a.size || s.nbytes > a.size - s.offset)
+    bad("storage [" + std::to_string(s.offset) + ", +" + std::to_string(s.nbytes) +
+        ") lies outside its allocation of " + std::to_string(a.size) + " bytes");
+  return s;
+}
+
+TensorRecord read_tensor(Reader& r, const Counts& n, const std::vector<StorageRecord>& storages) {
+  TensorRecord t;
+  t.storage = r.get<uint32_t>("tensor storage");
+  check_index(t.storage, n.storages, "tensor storage");
+  t.dtype = r.get<uint8_t>("tensor dtype");
+  uint8_t ndim = r.get<uint8_t>("tensor ndim");
+  if (ndim > kMaxDims) bad("tensor has " + std::to_string(ndim) + " dimensions");
+  t.flags = r.get<uint16_t>("tensor flags");
+  if (t.flags & ~(kRequiresGrad | kParameter)) bad("unknown tensor flags");
+  t.storage_offset = r.get<int64_t>("tensor storage offset");
+  if (t.storage_offset < 0) bad("negative storage offset");
+  if (16ull * ndim > r.left() - n.payload) bad("tensor shape runs past the tables");
+  t.sizes.resize(ndim);
+  t.strides.resize(ndim);
+  r.bytes(t.sizes.data(), 8 * ndim, "tensor sizes");
+  r.bytes(t.strides.data(), 8 * ndim, "tensor strides");
+  for (int i = 0; i < ndim; ++i)
+    if (t.sizes[i] < 0 || t.strides[i] < 0) bad("negative size or stride");
+  check_tensor(t, storages[t.storage].nbytes);
+  return t;
 }
 
 }  // namespace
@@ -188,7 +308,7 @@ std::string encode(const Descriptor& d) {
                  kStorageBytes * d.storages.size() + tensor_bytes + d.payload.size();
   if (total > std::numeric_limits<uint32_t>::max() || d.devices.size() >= kNone16 ||
       d.events.size() >= kNone16 || d.leases.size() >= kNone16)
-    throw std::invalid_argument("torch_ipc: too many tensors for one descriptor");
+    throw InvalidUse("torch_ipc: too many tensors for one descriptor");
 
   Writer w(total);
   w.put<uint32_t>(kMagic);
@@ -255,123 +375,25 @@ std::string encode(const Descriptor& d) {
 }
 
 Descriptor decode(const void* data, size_t size) {
-  Reader r(static_cast<const uint8_t*>(data), size);
+  const auto* bytes = static_cast<const uint8_t*>(data);
+  Reader r(bytes, size);
   Descriptor d;
-  if (size < 4 || r.get<uint32_t>("magic") != kMagic)
-    bad("bad magic number (this is not a torch_ipc descriptor)");
-  uint16_t version = r.get<uint16_t>("version");
-  if (version != kVersion)
-    throw DescriptorError("torch_ipc descriptor has format version " + std::to_string(version) +
-                          "; this build reads version " + std::to_string(kVersion));
-  d.flags = r.get<uint16_t>("flags");
-  if (d.flags & ~(kHasCuda | kHasCpu | kOpenEnded)) bad("unknown header flags");
-  uint32_t total = r.get<uint32_t>("length");
-  if (total != size)
-    bad("length field says " + std::to_string(total) + " bytes but " + std::to_string(size) +
-        " were given (truncated or padded)");
-  uint16_t n_devices = r.get<uint16_t>("device count");
-  uint16_t n_events = r.get<uint16_t>("event count");
-  uint16_t n_leases = r.get<uint16_t>("lease count");
-  if (r.get<uint16_t>("reserved") != 0) bad("reserved header field is not zero");
-  uint32_t n_allocs = r.get<uint32_t>("alloc count");
-  uint32_t n_storages = r.get<uint32_t>("storage count");
-  uint32_t n_tensors = r.get<uint32_t>("tensor count");
-  uint32_t payload_len = r.get<uint32_t>("payload length");
-  d.producer.pid = r.get<uint32_t>("producer pid");
-  d.producer.start_time = r.get<uint64_t>("producer start time");
-  r.bytes(d.boot_id.data(), 16, "boot id");
-  uint64_t sum = r.get<uint64_t>("checksum");
-  if (sum != checksum(static_cast<const uint8_t*>(data), size))
-    bad("checksum mismatch (the bytes were corrupted or changed)");
-
-  // Fixed-size tables: check they fit before allocating anything for them.
-  uint64_t fixed = 16ull * n_devices + uint64_t(kEventBytes) * n_events +
-                   uint64_t(kLeaseBytes) * n_leases + uint64_t(kAllocBytes) * n_allocs +
-                   uint64_t(kStorageBytes) * n_storages +
-                   uint64_t(kTensorHeadBytes) * n_tensors + payload_len;
-  if (fixed > r.left()) bad("tables and payload need more bytes than the descriptor holds");
-
-  d.devices.resize(n_devices);
+  const Counts n = read_header(r, bytes, size, d);
+  d.devices.resize(n.devices);
   for (auto& u : d.devices) r.bytes(u.data(), 16, "device uuid");
-
-  d.events.resize(n_events);
-  for (auto& e : d.events) {
-    e.device = r.get<uint16_t>("event device");
-    check_index(e.device, n_devices, "event device");
-    r.zeros(6, "event padding");
-    r.bytes(e.handle.data(), 64, "event handle");
-  }
-
-  d.leases.resize(n_leases);
-  for (auto& l : d.leases) {
-    l = read_lease(r);
-    if (l.owner.pid == 0 || l.generation == 0) bad("lease names no process or generation");
-  }
-
-  d.allocs.resize(n_allocs);
-  for (auto& a : d.allocs) {
-    uint8_t kind = r.get<uint8_t>("alloc kind");
-    if (!valid_kind(kind)) bad("unknown allocation kind " + std::to_string(kind));
-    a.kind = static_cast<AllocKind>(kind);
-    r.zeros(1, "alloc padding");
-    a.device = r.get<uint16_t>("alloc device");
-    if (a.kind == AllocKind::CpuShm) {
-      if (a.device != kNone16) bad("a host allocation names a GPU");
-    } else {
-      check_index(a.device, n_devices, "alloc device");
-    }
-    a.lease = r.get<uint16_t>("alloc lease");
-    check_index(a.lease, n_leases, "alloc lease");
-    r.zeros(2, "alloc padding");
-    a.size = r.get<uint64_t>("alloc size");
-    r.bytes(a.handle.data(), 64, "alloc handle");
-    if (a.size == 0) bad("an allocation of zero bytes");
-  }
-
-  d.storages.resize(n_storages);
-  for (auto& s : d.storages) {
-    s.alloc = r.get<uint32_t>("storage alloc");
-    s.empty_device = r.get<uint16_t>("storage device");
-    r.zeros(2, "storage padding");
-    s.offset = r.get<uint64_t>("storage offset");
-    s.nbytes = r.get<uint64_t>("storage size");
-    if (s.alloc == kNoAlloc) {
-      if (s.nbytes != 0 || s.offset != 0) bad("a storage without memory has a size");
-      if (s.empty_device != kNone16) check_index(s.empty_device, n_devices, "storage device");
-      continue;
-    }
-    check_index(s.alloc, n_allocs, "storage alloc");
-    if (s.empty_device != kNone16) bad("a storage with memory names a device of its own");
-    const AllocRecord& a = d.allocs[s.alloc];
-    if (s.offset > a.size || s.nbytes > a.size - s.offset)
-      bad("storage [" + std::to_string(s.offset) + ", +" + std::to_string(s.nbytes) +
-          ") lies outside its allocation of " + std::to_string(a.size) + " bytes");
-  }
-
-  d.tensors.resize(n_tensors);
-  for (auto& t : d.tensors) {
-    t.storage = r.get<uint32_t>("tensor storage");
-    check_index(t.storage, n_storages, "tensor storage");
-    t.dtype = r.get<uint8_t>("tensor dtype");
-    uint8_t ndim = r.get<uint8_t>("tensor ndim");
-    if (ndim > kMaxDims) bad("tensor has " + std::to_string(ndim) + " dimensions");
-    t.flags = r.get<uint16_t>("tensor flags");
-    if (t.flags & ~(kRequiresGrad | kParameter)) bad("unknown tensor flags");
-    t.storage_offset = r.get<int64_t>("tensor storage offset");
-    if (t.storage_offset < 0) bad("negative storage offset");
-    if (16ull * ndim > r.left() - payload_len) bad("tensor shape runs past the tables");
-    t.sizes.resize(ndim);
-    t.strides.resize(ndim);
-    r.bytes(t.sizes.data(), 8 * ndim, "tensor sizes");
-    r.bytes(t.strides.data(), 8 * ndim, "tensor strides");
-    for (int i = 0; i < ndim; ++i)
-      if (t.sizes[i] < 0 || t.strides[i] < 0) bad("negative size or stride");
-    check_tensor(t, d.storages[t.storage].nbytes);
-  }
-
-  if (r.left() != payload_len) bad("bytes left after the tables do not match the payload length");
-  d.payload.resize(payload_len);
-  r.bytes(d.payload.data(), payload_len, "payload");
+  d.events.resize(n.events);
+  for (auto& e : d.events) e = read_event(r, n);
+  d.leases.resize(n.leases);
+  for (auto& l : d.leases) l = read_lease(r);
+  d.allocs.resize(n.allocs);
+  for (auto& a : d.allocs) a = read_alloc(r, n);
+  d.storages.resize(n.storages);
+  for (auto& s : d.storages) s = read_storage(r, n, d.allocs);
+  d.tensors.resize(n.tensors);
+  for (auto& t : d.tensors) t = read_tensor(r, n, d.storages);
+  if (r.left() != n.payload) bad("bytes left after the tables do not match the payload length");
+  d.payload.resize(n.payload);
+  r.bytes(d.payload.data(), n.payload, "payload");
   return d;
 }
 

@@ -1,6 +1,9 @@
 // The wire format: a versioned, little-endian, fixed-layout byte string that
-// describes a batch of tensors. Encode, decode and validate; no CUDA, no torch
-// (decode() throws DescriptorError of base/errors.h).
+// describes a batch of tensors. Encode, decode and validate; no CUDA. This
+// header includes no torch; descriptor.cpp asks c10's ScalarType table for
+// the size of each dtype code (Note [view bounds]). decode() throws
+// DescriptorError, encode() InvalidUse when the tables outgrow the format
+// (base/errors.h).
 #pragma once
 
 #include <array>
@@ -74,7 +77,7 @@ struct StorageRecord {
 
 struct TensorRecord {
   uint32_t storage = 0;
-  uint8_t dtype = 0;  // c10::ScalarType, checked by the importer
+  uint8_t dtype = 0;  // c10::ScalarType, checked by decode() (Note [view bounds])
   uint16_t flags = 0;
   int64_t storage_offset = 0;  // elements
   std::vector<int64_t> sizes;
