@@ -137,11 +137,11 @@ def _round_trip(device: str) -> Optional[str]:
     this process then sees the 7s, else what went wrong."""
     import torch
 
-    import torch_ipc
+    from ._serialize import dumps
 
     x = torch.zeros(1024, device=device)
     try:
-        r = _child(_ROUND_TRIP, torch_ipc.dumps(x).hex())
+        r = _child(_ROUND_TRIP, dumps(x).hex())
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
         return f"{type(e).__name__}: {e}"
     if r.returncode != 0:
