@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -82,8 +83,9 @@ def test_what_a_connection_sent_is_given_back_when_the_peers_pid_is_recycled():
         (sent,) = client._sent
         assert sent.live  # the peer lives and may still read it
         client._peer = _recycled(client._peer)  # its pid now names another process
-        torch_ipc.collect()  # the collector checks peers, then reclaims
-        torch_ipc.collect()
+        deadline = time.monotonic() + 30
+        while sent.live and time.monotonic() < deadline:  # the collector thread checks peers
+            time.sleep(0.01)
         assert not sent.live
         assert client._sent == []
     finally:

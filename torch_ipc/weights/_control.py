@@ -39,6 +39,33 @@ from .. import _C, _process
 # STREAM_BASE before the first bucket). publish() returns when every member
 # took the last bucket.
 
+# Note [two control blocks]
+# The KV pool's block table (csrc/features/kv/) is C++ under a robust mutex,
+# one call per operation; this block is int64 words that Python reads and
+# writes with one seq_cst atomic per call (_C.counter_*). Two mechanisms, on
+# purpose:
+# - What they guard. The block table changes many words together (the free
+#   list, each block's holder, each process's count): it needs mutual
+#   exclusion, and a holder killed inside an update needs the rebuild that a
+#   robust mutex's EOWNERDEAD allows. Here each word has one writer (the
+#   publisher: PUBLISHED, WRITING, BUCKET_SEQ, STREAM_*, MEMBERS; a slot's
+#   subscriber: READING, PULLS, TAKEN; OWNER: one compare-exchange to claim,
+#   one to give back), so there is no invariant across words to lock, and a
+#   process killed anywhere leaves at most its own READING = 1, cleared when
+#   the publisher reaps its slot. No lock: nothing to recover, and no process
+#   descheduled inside a critical section that stalls the trainer; the
+#   publisher waits only on a subscriber that is queueing its copies.
+# - What it costs. On the 2-core CPU machine, busy (load 12), with
+#   benchmarks/control_block_bench.py, medians: one counter call 0.36-0.45 us;
+#   a direct pull's whole handshake (6 calls) 2.3 us of the 12.7 us that a
+#   pull of one small tensor takes end to end; publish()'s with one
+#   subscriber (5 calls) 2.0 us; a KV allocate + free (2 calls, each under
+#   the mutex) 2.6 us. One C++ call per protocol step would save about 1.5 us
+#   a pull; a GPU pull also launches copies (tens of us). So the protocol
+#   stays in Python, in one place, next to the events it orders. Should the
+#   calls show in a profile, fold each step into one C++ call on these same
+#   words, not into the KV table's mutex.
+
 # Note [process words]
 # OWNER and PUBLISHER name a process by pid AND start time (torch_ipc._process),
 # as every liveness check of torch_ipc does, so a recycled pid never keeps a

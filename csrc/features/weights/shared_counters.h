@@ -1,5 +1,7 @@
 // Sequentially consistent 64-bit atomics on the int64 slots of a CPU tensor,
-// for counters that several processes map (a tensor in POSIX shared memory).
+// for counters that several processes map (a tensor in POSIX shared memory):
+// the weights control block, one call per atomic (Note [two control blocks]
+// in torch_ipc/weights/_control.py says why it is not the KV table's mutex).
 #pragma once
 
 #include <ATen/core/Tensor.h>
