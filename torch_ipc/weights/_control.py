@@ -56,12 +56,12 @@ from .. import _C, _process
 #   descheduled inside a critical section that stalls the trainer; the
 #   publisher waits only on a subscriber that is queueing its copies.
 # - What it costs. On the 2-core CPU machine, busy (load 12), with
-#   benchmarks/control_block_bench.py, medians: one counter call 0.36-0.45 us;
-#   a direct pull's whole handshake (6 calls) 2.3 us of the 12.7 us that a
-#   pull of one small tensor takes end to end; publish()'s with one
-#   subscriber (5 calls) 2.0 us; a KV allocate + free (2 calls, each under
-#   the mutex) 2.6 us. One C++ call per protocol step would save about 1.5 us
-#   a pull; a GPU pull also launches copies (tens of us). So the protocol
+#   benchmarks/control_block_bench.py, medians of two runs: one counter call
+#   0.36-0.73 us; a direct pull's whole handshake (6 calls) 2.3-3.4 us of the
+#   12.7-14.8 us that a pull of one small tensor takes end to end; publish()'s
+#   with one subscriber (5 calls) 2.0-2.5 us; a KV allocate + free (2 calls,
+#   each under the mutex) 2.6 us. One C++ call per protocol step would save
+#   1.5-3 us a pull; a GPU pull also launches copies (tens of us). So the protocol
 #   stays in Python, in one place, next to the events it orders. Should the
 #   calls show in a profile, fold each step into one C++ call on these same
 #   words, not into the KV table's mutex.
