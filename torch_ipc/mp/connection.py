@@ -414,12 +414,13 @@ def _client(address: Address, family: Optional[str], authkey: bytes,
     return Connection(conn, _exchange_pids(conn), max_bytes_in_flight=max_bytes_in_flight)
 
 
-def Client(address: Address, family: Optional[str] = None, authkey: Optional[bytes] = None, *,
-           max_bytes_in_flight: Optional[int] = None) -> Connection:
+def Client(address: Address, family: Optional[str] = None, authkey: Optional[bytes] = None) -> Connection:
     """Connect to a :class:`Listener`; the signature of
     ``multiprocessing.connection.Client``, except that ``authkey`` is required
     (bytes; there is no process-wide default). A wrong ``authkey`` raises
     :class:`multiprocessing.AuthenticationError` and nothing is received.
+    Set ``.max_bytes_in_flight`` on the connection for a bound (or use
+    :func:`connect`).
 
     Example::
 
@@ -427,7 +428,7 @@ def Client(address: Address, family: Optional[str] = None, authkey: Optional[byt
         ...     y = conn.recv()
     """
     _check_authkey(authkey, "Client")
-    return _client(address, family, authkey, max_bytes_in_flight)
+    return _client(address, family, authkey, None)
 
 
 def connect(address: Address, *, authkey: bytes, max_bytes_in_flight: Optional[int] = None) -> Connection:
