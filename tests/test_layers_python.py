@@ -9,7 +9,8 @@ lowest first:
             (device arguments), _process (is that process alive)
   runtime   _runtime: the collector thread, the exit hook, fork handling
   memory    pool (SharedPool), ipc_event: kinds of memory and events
-  core      _serialize: dumps/loads, the one crossing into _C's export/load
+  core      _serialize: dumps/loads, the one crossing into _C's export/load;
+            _export: export() -> Export, revocable
   mp        mp/: the multiprocessing adapters (reductions, channels, connection)
   features  kv/, weights/: one feature each, never importing another
   tools     testing/, doctor: built on the package, used by nobody in it
@@ -27,7 +28,7 @@ LAYERS = [
     ("base", ["_C", "errors", "_build_info", "_torch_check", "_cuda", "_process"]),
     ("runtime", ["_runtime"]),
     ("memory", ["pool", "ipc_event"]),
-    ("core", ["_serialize"]),
+    ("core", ["_serialize", "_export"]),
     ("mp", ["mp"]),
     ("features", ["kv", "weights"]),
     ("tools", ["testing", "doctor"]),

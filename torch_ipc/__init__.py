@@ -16,6 +16,7 @@ except ImportError as e:
     raise extension_import_error(e) from e
 from .mp._reductions import init_reductions, reductions, restore_reductions
 from ._serialize import dumps, loads
+from ._export import Export, export
 from .mp.connection import Client, Connection, Listener, connect, listen
 from .errors import (
     CudaError,
@@ -23,6 +24,7 @@ from .errors import (
     DescriptorError,
     DeviceNotFoundError,
     HolderLimitError,
+    InFlightLimitError,
     ProducerGoneError,
     ReleasedError,
 )
@@ -36,6 +38,8 @@ __version__ = "0.1.0"
 __all__ = [
     "dumps",
     "loads",
+    "export",
+    "Export",
     "stats",
     "collect",
     "init_reductions",
@@ -55,6 +59,7 @@ __all__ = [
     "ReleasedError",
     "DeviceNotFoundError",
     "HolderLimitError",
+    "InFlightLimitError",
 ]
 
 

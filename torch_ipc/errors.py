@@ -8,6 +8,7 @@ __all__ = [
     "ReleasedError",
     "DeviceNotFoundError",
     "HolderLimitError",
+    "InFlightLimitError",
 ]
 
 
@@ -51,3 +52,9 @@ class HolderLimitError(RuntimeError):
     """One export is held by as many living processes as it has room for (14):
     load it in fewer processes at once, or export once per group of consumers.
     Processes that died holding it do not count."""
+
+
+class InFlightLimitError(RuntimeError):
+    """``Connection.send()`` would take the bytes of tensors sent on that
+    connection and not yet released by the peer past its
+    ``max_bytes_in_flight``: the peer does not read, or keeps what it read."""

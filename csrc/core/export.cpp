@@ -270,6 +270,15 @@ void Export::revoke() {
   for (const auto& lease : forwarded_) lease_remove_deliveries(lease, self_process().pid, consumers_);
 }
 
+void Export::forbid_loads() {
+  if (made_.inherited()) return;
+  if (own_) {
+    lease_forbid_loads(*own_);
+    end_open_ended(*own_);
+  }
+  revoke();
+}
+
 std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
                                        const std::vector<bool>& is_parameter,
                                        const std::string& payload, uint32_t consumers) {

@@ -36,6 +36,9 @@ class __attribute__((visibility("hidden"))) Export {
   // owners of forwarded tensors (Note [forwarding]). Loads that already
   // happened keep their holds. Idempotent.
   void revoke();
+  // revoke(), and no load may start any more, forwarded ones included (Note
+  // [revoked exports] in os/refcount.cpp): torch_ipc.Export.revoke().
+  void forbid_loads();
 
  private:
   std::string data_;

@@ -89,15 +89,28 @@ Consumer& consumer() { return *process_state<Consumer>(); }
 // Whether processes live, each asked of /proc once per load or collection.
 class Liveness {
  public:
-  bool operator()(const ProcessId& p) {
+  LifeCheck check(const ProcessId& p) {
     auto key = std::make_pair(p.pid, p.start_time);
     auto it = known_.find(key);
-    if (it == known_.end()) it = known_.emplace(key, process_alive(p)).first;
+    if (it == known_.end()) it = known_.emplace(key, check_process(p)).first;
     return it->second;
   }
 
+  // Not proven dead: what closes or frees asks this (Note [unknown is not dead] in os/sweep.cpp).
+  bool operator()(const ProcessId& p) { return check(p).life != Life::Dead; }
+
+  // For a load: ProducerGone when `p` has exited, an OsError of what failed
+  // when that cannot be checked (a load never says "exited" of a live process).
+  void require(const ProcessId& p, const std::string& consequence) {
+    const LifeCheck c = check(p);
+    if (c.life == Life::Dead) throw producer_gone(p.pid, consequence);
+    if (c.life == Life::Unknown)
+      throw os_error(c.error, "reading /proc/" + std::to_string(p.pid) + "/stat",
+                     "(to check that the producer, pid " + std::to_string(p.pid) + ", is alive)");
+  }
+
  private:
-  std::map<std::pair<uint32_t, uint64_t>, bool> known_;
+  std::map<std::pair<uint32_t, uint64_t>, LifeCheck> known_;
 };
 
 // ---------------------------------------------------------------- release
@@ -233,10 +246,10 @@ Descriptor decode_and_check(const std::string& data, Liveness& alive, const std:
         "torch_ipc descriptor comes from another machine or from before this machine's last "
         "boot; handles are valid only on the machine and boot that made them");
   if ((d.flags & kHasCuda) && before_cuda) before_cuda();
-  if (d.producer != self_process() && !alive(d.producer))
-    throw producer_gone(d.producer.pid, "the " + tensor_kinds(d) +
-                                            " it shared can no longer be loaded; export them "
-                                            "again from a running process");
+  if (d.producer != self_process())
+    alive.require(d.producer, "the " + tensor_kinds(d) +
+                                  " it shared can no longer be loaded; export them again from a "
+                                  "running process");
   for (const AllocRecord& a : d.allocs)
     if (a.kind == AllocKind::CpuShm) host_name(a.handle);  // throws on a name that is not ours to open
   return d;
@@ -258,6 +271,22 @@ std::vector<int> local_devices(const Descriptor& d) {
 // unpickled the payload. Until then the hold keeps the export from being
 // reclaimed, and the unspent token keeps it loadable.
 
+// Note [forwarder cross-check]
+// A descriptor names its producer, and a lease of another owner makes it a
+// forward (Note [forwarding] in export.cpp). The producer field is only what
+// the bytes say: a forged one could name any live process (and have us keep
+// a pidfd of it). A real forwarder is in the owner's slot while its message
+// can be loaded: it holds the tensors it forwards there, or keeps deliveries
+// pending for its consumers. So the producer must be a holder of every lease
+// it forwards; one that is not did not send this, or let go of what it sent.
+void check_forwarder(const Descriptor& d, const LeaseRecord& l) {
+  if (d.producer == self_process() || lease_names_holder(l, d.producer.pid)) return;
+  throw Released("torch_ipc: the descriptor's producer (pid " + std::to_string(d.producer.pid) +
+                 ") holds nothing of the memory of pid " + std::to_string(l.owner.pid) +
+                 " that it would forward: it released what it forwarded, or the descriptor is "
+                 "not from it");
+}
+
 // Step 2: holds, one per lease, before anything is mapped: from here on the
 // owners cannot reclaim what we build on. A lease of our own export needs no
 // hold (its storages keep it): it is only checked, and left null.
@@ -270,7 +299,10 @@ std::vector<std::shared_ptr<Hold>> take_holds(Consumer& c, const Descriptor& d, 
     if (l.owner == self_process()) {
       lease_take_token(l, /*take=*/false);
     } else {
-      if (forwarded && !alive(l.owner)) throw producer_gone(l.owner.pid, "the memory it owned is gone");
+      if (forwarded) {
+        alive.require(l.owner, "the memory it owned is gone");
+        check_forwarder(d, l);
+      }
       lease_hold(l, /*take_token=*/false);
       ++c.holds;
       holds[i] = std::make_shared<Hold>();

@@ -60,6 +60,13 @@ bool export_is_live(const LeaseRecord& lease) {
   return e.records.count(key_of(lease)) > 0;
 }
 
+void end_open_ended(const LeaseRecord& lease) {
+  Exports& e = exports();
+  std::lock_guard<std::mutex> lock(e.mu);
+  auto it = e.records.find(key_of(lease));
+  if (it != e.records.end()) it->second->open_ended = false;
+}
+
 std::optional<c10::Storage> find_exported_storage(const LeaseRecord& lease, const Location& where,
                                                   uint64_t nbytes) {
   Exports& e = exports();

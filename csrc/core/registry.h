@@ -56,6 +56,9 @@ struct ExportRecord {
 
 void register_export(std::unique_ptr<ExportRecord> record);
 bool export_is_live(const LeaseRecord& lease);
+// An open-ended export that its producer revoked: kept only while held, as a
+// counted one with no token left.
+void end_open_ended(const LeaseRecord& lease);
 // For a load in this very process: the storage of our live export `lease`
 // at `where` with `nbytes` bytes.
 std::optional<c10::Storage> find_exported_storage(const LeaseRecord& lease, const Location& where,

@@ -151,10 +151,18 @@ void refuse(int sock, int status) {
   send_reply(sock, h, nullptr, nullptr);
 }
 
+// Note [a refusal is read]
+// The server reads the request before it refuses anything: a Unix socket
+// closed with a message unread resets its peer (ECONNRESET), and the client
+// would see that instead of the refusal it was sent (EACCES for another uid).
 void serve_one(int sock) {
   Server& s = server();
   // Without timeouts a stalled client would hold the server: refuse instead.
   if (int err = set_timeouts(sock, 2, 10)) return refuse(sock, err);
+  Request req{};
+  ssize_t got;
+  do got = recv(sock, &req, sizeof(req), 0);
+  while (got < 0 && errno == EINTR);
   ucred cred{};
   socklen_t len = sizeof(cred);
   if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
@@ -165,10 +173,6 @@ void serve_one(int sock) {
   // descriptor is a capability (the id is random), but the uid check is the
   // boundary, as it is for ptrace and pidfd_getfd.
   if (cred.uid != geteuid()) return refuse(sock, EACCES);
-  Request req{};
-  ssize_t got;
-  do got = recv(sock, &req, sizeof(req), 0);
-  while (got < 0 && errno == EINTR);
   if (got != static_cast<ssize_t>(sizeof(req)) || req.magic != kRequestMagic ||
       req.version != kProtocol)
     return refuse(sock, EPROTO);
@@ -310,7 +314,9 @@ bool fetch_pidfd(const ProcessId& owner, const std::vector<int>& remote_fds, boo
   return true;
 }
 
-std::vector<ReceivedItem> fetch_socket(const ProcessId& owner, uint64_t id) {
+// Step 1 of a socket fetch: a connection to `owner`'s fd server for export
+// `id`, checked to be served by `owner` itself.
+UniqueFd connect_fd_server(const ProcessId& owner, uint64_t id) {
   UniqueFd sock(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
   if (sock.get() < 0)
     throw_os_error("socket(AF_UNIX, SOCK_SEQPACKET)", "to fetch file descriptors");
@@ -343,33 +349,40 @@ std::vector<ReceivedItem> fetch_socket(const ProcessId& owner, uint64_t id) {
     // protocol, so EPROTO; the message names the squatter to look for.
     throw OsError(EPROTO, "torch_ipc: " + served);
   }
+  return sock;
+}
+
+// Step 2: the request. A send the server reset (EPIPE, ECONNRESET) is not
+// reported here: a server that refused before reading (an older one, Note [a
+// refusal is read]) has queued its answer, which step 3 reads.
+void send_request(int sock, const ProcessId& owner, uint64_t id) {
   Request req{kRequestMagic, kProtocol, id};
   ssize_t sent;
-  do sent = send(sock.get(), &req, sizeof(req), MSG_NOSIGNAL);
+  do sent = send(sock, &req, sizeof(req), MSG_NOSIGNAL);
   while (sent < 0 && errno == EINTR);
-  if (sent != static_cast<ssize_t>(sizeof(req))) {
-    // A SOCK_SEQPACKET send is whole or fails; a short one has no errno of its own.
-    const int err = sent < 0 ? errno : EPROTO;
-    throw_gone_or(owner,
-                  os_error(err, "send", "of a request to the producer (" + pid_text(owner) + ")"));
-  }
+  if (sent == static_cast<ssize_t>(sizeof(req))) return;
+  // A SOCK_SEQPACKET send is whole or fails; a short one has no errno of its own.
+  const int err = sent < 0 ? errno : EPROTO;
+  if (err == EPIPE || err == ECONNRESET) return;
+  throw_gone_or(owner, os_error(err, "send", "of a request to the producer (" + pid_text(owner) + ")"));
+}
 
-  std::vector<ReceivedItem> out;
-  uint32_t total = 0;
-  do {
-    char buf[kMaxReply];
+// Step 3: one reply message into `buf`, its fds owned by `fds`; its length.
+// A reset is read past once: the reply it cut off may wait behind it.
+size_t receive_reply(int sock, const ProcessId& owner, char* buf, std::vector<UniqueFd>& fds) {
+  for (int attempt = 0;; ++attempt) {
     alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kBatch)];
-    iovec iov{buf, sizeof(buf)};
+    iovec iov{buf, kMaxReply};
     msghdr msg{};
     msg.msg_iov = &iov;
     msg.msg_iovlen = 1;
     msg.msg_control = control;
     msg.msg_controllen = sizeof(control);
     ssize_t n;
-    do n = recvmsg(sock.get(), &msg, MSG_CMSG_CLOEXEC);
+    do n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | (attempt > 0 ? MSG_DONTWAIT : 0));
     while (n < 0 && errno == EINTR);
+    const int err = errno;
     // Own every fd that arrived before looking at anything else.
-    std::vector<UniqueFd> fds;
     for (cmsghdr* c = CMSG_FIRSTHDR(&msg); n >= 0 && c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
       if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
       size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
@@ -379,51 +392,70 @@ std::vector<ReceivedItem> fetch_socket(const ProcessId& owner, uint64_t id) {
         fds.emplace_back(fd);
       }
     }
-    if (n < 0) {
-      const int err = errno;
-      // SO_RCVTIMEO expired: a timeout (TimeoutError), not EAGAIN.
-      if (err == EAGAIN || err == EWOULDBLOCK)
-        throw_gone_or(owner, OsError(ETIMEDOUT, "torch_ipc: no answer from the fd server of the "
-                                                "producer (" + pid_text(owner) + ") within " +
-                                                std::to_string(kAnswerSeconds) + " s"));
-      throw_gone_or(owner, os_error(err, "recvmsg",
-                                    "of the answer of the producer (" + pid_text(owner) + ")"));
+    if (n > 0) {
+      if (msg.msg_flags & (MSG_CTRUNC | MSG_TRUNC)) return kMaxReply + 1;  // reported as malformed
+      return static_cast<size_t>(n);
     }
-    // The peer hung up without a word (no errno): a reset connection, ECONNRESET;
-    // trying again may work, unless the producer is exiting (then ProducerGone).
-    if (n == 0)
-      throw_gone_or(owner, OsError(ECONNRESET, "torch_ipc: the producer (" + pid_text(owner) +
-                                                   ") closed the fd socket without answering"));
-    // From here on, a reply that breaks Note [fd server protocol] is EPROTO: the
-    // producer answers, but not as this torch_ipc would (another version, or a bug).
-    auto malformed = [&](const std::string& why) {
-      return OsError(EPROTO, "torch_ipc: malformed reply from the fd server of the producer (" +
-                                 pid_text(owner) + "): " + why);
-    };
+    if (n < 0 && err == ECONNRESET && attempt == 0) continue;
+    // SO_RCVTIMEO expired: a timeout (TimeoutError), not EAGAIN.
+    if (n < 0 && (err == EAGAIN || err == EWOULDBLOCK) && attempt == 0)
+      throw_gone_or(owner, OsError(ETIMEDOUT, "torch_ipc: no answer from the fd server of the "
+                                              "producer (" + pid_text(owner) + ") within " +
+                                              std::to_string(kAnswerSeconds) + " s"));
+    if (n < 0 && attempt == 0)
+      throw_gone_or(owner,
+                    os_error(err, "recvmsg", "of the answer of the producer (" + pid_text(owner) + ")"));
+    // The peer hung up without a word: a reset connection, ECONNRESET; trying
+    // again may work, unless the producer is exiting (then ProducerGone).
+    throw_gone_or(owner, OsError(ECONNRESET, "torch_ipc: the producer (" + pid_text(owner) +
+                                                 ") closed the fd socket without answering"));
+  }
+}
+
+// A reply that breaks Note [fd server protocol] is EPROTO: the producer
+// answers, but not as this torch_ipc would (another version, or a bug).
+OsError malformed_reply(const ProcessId& owner, const std::string& why) {
+  return OsError(EPROTO, "torch_ipc: malformed reply from the fd server of the producer (" +
+                             pid_text(owner) + "): " + why);
+}
+
+// Step 4: a refusal in a reply header as the error it stands for.
+void check_reply_status(const ReplyHeader& h, const ProcessId& owner) {
+  if (h.magic != kReplyMagic) throw malformed_reply(owner, "wrong magic number");
+  if (h.status == 0) return;
+  if (h.status == ENOENT)
+    throw Released("torch_ipc: the producer (" + pid_text(owner) +
+                   ") no longer shares this memory (export id unknown to it: released already, "
+                   "or the descriptor is not from it)");
+  if (h.status == EACCES)
+    throw OsError(EACCES, "torch_ipc: the producer (" + pid_text(owner) +
+                              ") refused to pass file descriptors: it runs as another user (this "
+                              "process has uid " + std::to_string(geteuid()) + ")");
+  if (h.status < 0 || h.status > 4095) throw malformed_reply(owner, "status " + std::to_string(h.status));
+  throw OsError(h.status, "torch_ipc: the producer (" + pid_text(owner) +
+                              ") refused the request: " + std::strerror(h.status));
+}
+
+std::vector<ReceivedItem> fetch_socket(const ProcessId& owner, uint64_t id) {
+  UniqueFd sock = connect_fd_server(owner, id);
+  send_request(sock.get(), owner, id);
+  std::vector<ReceivedItem> out;
+  uint32_t total = 0;
+  do {
+    char buf[kMaxReply];
+    std::vector<UniqueFd> fds;
+    const size_t n = receive_reply(sock.get(), owner, buf, fds);
     ReplyHeader h{};
-    if (static_cast<size_t>(n) < sizeof(h))
-      throw malformed(std::to_string(n) + " bytes, shorter than a reply header");
+    if (n < sizeof(h))
+      throw malformed_reply(owner, std::to_string(n) + " bytes, shorter than a reply header");
     std::memcpy(&h, buf, sizeof(h));
-    if (h.magic != kReplyMagic) throw malformed("wrong magic number");
-    if (h.status == ENOENT)
-      throw Released("torch_ipc: the producer (" + pid_text(owner) +
-                     ") no longer shares this memory (export id unknown to it: released already, "
-                     "or the descriptor is not from it)");
-    if (h.status == EACCES)
-      throw OsError(EACCES, "torch_ipc: the producer (" + pid_text(owner) +
-                                ") refused to pass file descriptors: it runs as another user (this "
-                                "process has uid " + std::to_string(geteuid()) + ")");
-    if (h.status < 0 || h.status > 4095) throw malformed("status " + std::to_string(h.status));
-    if (h.status != 0)
-      throw OsError(h.status, "torch_ipc: the producer (" + pid_text(owner) +
-                                  ") refused the request: " + std::strerror(h.status));
+    check_reply_status(h, owner);
     bool with_fds = h.flags & kHasFds, with_blobs = h.flags & kHasBlobs;
     size_t want = sizeof(h) + h.count * (8 + (with_blobs ? 64 : 0));
-    if ((msg.msg_flags & (MSG_CTRUNC | MSG_TRUNC)) || h.count > kBatch || h.first != out.size() ||
-        static_cast<size_t>(n) != want || (with_fds && fds.size() != h.count) ||
+    if (h.count > kBatch || h.first != out.size() || n != want || (with_fds && fds.size() != h.count) ||
         (!with_fds && !fds.empty()) || (total != 0 && h.total != total) || h.first + h.count > h.total)
-      throw malformed("a message does not match its header (at item " +
-                      std::to_string(out.size()) + ")");
+      throw malformed_reply(owner, "a message does not match its header (at item " +
+                                       std::to_string(out.size()) + ")");
     total = h.total;
     for (uint32_t i = 0; i < h.count; ++i) {
       ReceivedItem item;

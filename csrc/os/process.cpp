@@ -1,5 +1,6 @@
 #include "os/process.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/syscall.h>
 #include <signal.h>
@@ -9,9 +10,10 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
+#include <list>
 #include <map>
 #include <mutex>
+#include <vector>
 
 #include <c10/util/Exception.h>
 
@@ -21,24 +23,33 @@
 namespace torch_ipc {
 namespace {
 
-// /proc/<pid>/stat from field 3 (the state) on; empty when there is no such
-// process. The command name (field 2) may hold spaces and parentheses, so the
-// fields start after the last ')'.
-std::string stat_fields(uint32_t pid) {
+// /proc/<pid>/stat from field 3 (the state) on, into `fields`: 0, or the
+// errno that kept us from reading it (ENOENT or ESRCH: there is no such
+// process). The command name (field 2) may hold spaces and parentheses, so
+// the fields start after the last ')'.
+int read_stat_fields(uint32_t pid, std::string* fields) {
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%u/stat", pid);
-  std::ifstream f(path);
-  std::string line;
-  if (!f || !std::getline(f, line)) return {};
-  size_t close = line.rfind(')');
-  if (close == std::string::npos || close + 2 >= line.size()) return {};
-  return line.substr(close + 2);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno;
+  char buf[1024];
+  ssize_t n;
+  do n = read(fd, buf, sizeof(buf) - 1);
+  while (n < 0 && errno == EINTR);
+  const int err = n < 0 ? errno : 0;
+  close(fd);
+  if (n < 0) return err;
+  std::string line(buf, static_cast<size_t>(n));
+  size_t close_paren = line.rfind(')');
+  if (close_paren == std::string::npos || close_paren + 2 >= line.size()) return EIO;
+  *fields = line.substr(close_paren + 2);
+  return 0;
 }
 
-// Field 22 of /proc/<pid>/stat; 0 when the process does not exist.
-uint64_t start_time_of(uint32_t pid) {
-  std::string fields = stat_fields(pid);
-  if (fields.empty()) return 0;
+bool no_such_process(int err) { return err == ENOENT || err == ESRCH; }
+
+// Field 22 of /proc/<pid>/stat (the start time) from read_stat_fields' output.
+uint64_t start_time_in(const std::string& fields) {
   const char* p = fields.c_str();  // field 3
   for (int field = 3; field < 22 && *p; ++field) {
     p = std::strchr(p, ' ');
@@ -46,6 +57,21 @@ uint64_t start_time_of(uint32_t pid) {
     ++p;
   }
   return std::strtoull(p, nullptr, 10);
+}
+
+// The start time of `pid`; 0 when it cannot be read.
+uint64_t start_time_of(uint32_t pid) {
+  std::string fields;
+  return read_stat_fields(pid, &fields) == 0 ? start_time_in(fields) : 0;
+}
+
+// What /proc says of `p`: alive with this start time, dead (no such process,
+// or another start time: the pid was recycled), or unknown (could not read).
+LifeCheck life_from_proc(const ProcessId& p) {
+  std::string fields;
+  const int err = read_stat_fields(p.pid, &fields);
+  if (err != 0) return no_such_process(err) ? LifeCheck{Life::Dead, 0} : LifeCheck{Life::Unknown, err};
+  return {start_time_in(fields) == p.start_time ? Life::Alive : Life::Dead, 0};
 }
 
 int hex_digit(char c) {
@@ -102,8 +128,11 @@ const Uuid& boot_id() {
 
 bool pid_alive(uint32_t pid) {
   if (pid == 0 || (kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM)) return false;
-  // A killed process that its parent has not reaped yet is a zombie: dead to us.
-  std::string fields = stat_fields(pid);
+  // A killed process that its parent has not reaped yet is a zombie: dead to
+  // us. Stat that cannot be read proves nothing (Note [unknown is not dead]).
+  std::string fields;
+  const int err = read_stat_fields(pid, &fields);
+  if (err != 0) return !no_such_process(err);
   return fields.empty() || fields[0] != 'Z';
 }
 
@@ -112,48 +141,107 @@ bool pid_alive(uint32_t pid) {
 // each time costs ~10 us. The first check of a process reads /proc once and
 // opens a pidfd, which becomes readable when that very process exits, so
 // later checks are one poll() and a recycled pid can never pass.
+//
+// Note [bounded pidfd cache]
+// The pidfds are an LRU cache of kCachedPidfds: a descriptor names any pid it
+// likes, and one kept fd per named process would let a sender use up the
+// receiver's fd table. An evicted process is asked of /proc again next time.
 namespace {
+constexpr size_t kCachedPidfds = 32;
+
+class PidfdCache {
+ public:
+  using Key = std::pair<uint32_t, uint64_t>;  // (pid, start time)
+
+  // The cached pidfd of `key` (now the most recent), or -1.
+  int find(const Key& key) {
+    auto it = fds_.find(key);
+    if (it == fds_.end()) return -1;
+    order_.splice(order_.begin(), order_, it->second.second);
+    return it->second.first;
+  }
+
+  void add(const Key& key, int fd) {
+    order_.push_front(key);
+    fds_.emplace(key, std::make_pair(fd, order_.begin()));
+    if (fds_.size() > kCachedPidfds) forget(order_.back());
+  }
+
+  void forget(const Key& key) {
+    auto it = fds_.find(key);
+    if (it == fds_.end()) return;
+    close(it->second.first);
+    order_.erase(it->second.second);
+    fds_.erase(it);
+  }
+
+  // Forget the processes whose pidfd is readable (they exited).
+  void forget_exited() {
+    std::vector<Key> gone;
+    for (const auto& [key, entry] : fds_) {
+      pollfd pfd{entry.first, POLLIN, 0};
+      if (poll(&pfd, 1, 0) > 0) gone.push_back(key);
+    }
+    for (const Key& key : gone) forget(key);
+  }
+
+  size_t size() const { return fds_.size(); }
+
+ private:
+  std::list<Key> order_;  // most recently used first
+  std::map<Key, std::pair<int, std::list<Key>::iterator>> fds_;
+};
+
 std::mutex pidfds_mu;
-// (pid, start time) -> an open pidfd of that process; never destroyed (used at exit).
-auto* pidfds = new std::map<std::pair<uint32_t, uint64_t>, int>();
+auto* pidfds = new PidfdCache();  // never destroyed (used at exit)
+
+constexpr int kNoPidfd = -1;   // none opened (EMFILE, an old kernel): /proc's answer stands
+constexpr int kRecycled = -2;  // the process exited and its pid was reused in between
+
+// A pidfd of `p` once /proc said it is alive, or kNoPidfd, or kRecycled.
+int open_pidfd_of(const ProcessId& p) {
+  int fd = static_cast<int>(syscall(SYS_pidfd_open, p.pid, 0));
+  if (fd < 0) return kNoPidfd;
+  if (life_from_proc(p).life == Life::Dead) {
+    close(fd);
+    return kRecycled;
+  }
+  return fd;
+}
 }  // namespace
 
-bool process_alive(const ProcessId& p) {
-  if (p.pid == 0) return false;
-  auto key = std::make_pair(p.pid, p.start_time);
+LifeCheck check_process(const ProcessId& p) {
+  if (p.pid == 0) return {Life::Dead, 0};
+  const PidfdCache::Key key{p.pid, p.start_time};
   std::lock_guard<std::mutex> lock(pidfds_mu);
-  auto it = pidfds->find(key);
-  if (it == pidfds->end()) {
-    if (start_time_of(p.pid) != p.start_time) return false;
-    int fd = static_cast<int>(syscall(SYS_pidfd_open, p.pid, 0));
-    if (fd < 0) return true;  // no pidfd here: /proc said alive
-    if (start_time_of(p.pid) != p.start_time) {  // exited and recycled in between
-      close(fd);
-      return false;
-    }
-    it = pidfds->emplace(key, fd).first;
+  int fd = pidfds->find(key);
+  if (fd < 0) {
+    LifeCheck proc = life_from_proc(p);
+    if (proc.life != Life::Alive) return proc;
+    fd = open_pidfd_of(p);
+    if (fd == kRecycled) return {Life::Dead, 0};
+    if (fd == kNoPidfd) return proc;  // /proc said alive
+    pidfds->add(key, fd);
   }
-  pollfd pfd{it->second, POLLIN, 0};
+  pollfd pfd{fd, POLLIN, 0};
   const int ready = poll(&pfd, 1, 0);
-  if (ready == 0) return true;
+  if (ready == 0) return {Life::Alive, 0};
   // poll failed (EINTR, ENOMEM): that says nothing about the process; ask /proc.
-  if (ready < 0) return start_time_of(p.pid) == p.start_time;
-  close(it->second);
-  pidfds->erase(it);
-  return false;
+  if (ready < 0) return life_from_proc(p);
+  pidfds->forget(key);
+  return {Life::Dead, 0};
 }
+
+bool process_alive(const ProcessId& p) { return check_process(p).life != Life::Dead; }
 
 void forget_exited_processes() {
   std::lock_guard<std::mutex> lock(pidfds_mu);
-  for (auto it = pidfds->begin(); it != pidfds->end();) {
-    pollfd pfd{it->second, POLLIN, 0};
-    if (poll(&pfd, 1, 0) > 0) {  // readable: that process has exited
-      close(it->second);
-      it = pidfds->erase(it);
-    } else {
-      ++it;
-    }
-  }
+  pidfds->forget_exited();
+}
+
+size_t cached_pidfd_count() {
+  std::lock_guard<std::mutex> lock(pidfds_mu);
+  return pidfds->size();
 }
 
 }  // namespace torch_ipc

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <cstddef>
 #include <string>
 
 #include "base/ids.h"
@@ -33,8 +34,20 @@ void reset_identity_after_fork();
 // machines and between boots of one machine.
 const Uuid& boot_id();
 
-// True when a process with this pid AND this start time is running, in our
-// PID namespace. A recycled pid has another start time.
+// Whether a process with this pid AND this start time is running, in our PID
+// namespace (a recycled pid has another start time): Dead only on proof (no
+// such process, another start time, its pidfd readable); Unknown with the
+// errno when /proc could not be read (EMFILE, EACCES): Note [unknown is not
+// dead] in sweep.cpp, the same rule for files.
+enum class Life { Alive, Dead, Unknown };
+struct LifeCheck {
+  Life life;
+  int error;  // the errno behind Unknown, else 0
+};
+LifeCheck check_process(const ProcessId& p);
+
+// Not proven dead: check_process(p).life != Life::Dead. What frees, reclaims
+// or unmaps because a process died asks this, so "could not check" keeps.
 bool process_alive(const ProcessId& p);
 
 // Only the pid, for holder slots that store 32 bits: kill(pid, 0).
@@ -44,5 +57,8 @@ bool pid_alive(uint32_t pid);
 // since (the collector calls it; process_alive() alone closes a pidfd only
 // when asked about that process again).
 void forget_exited_processes();
+
+// How many pidfds are cached (at most 32: Note [bounded pidfd cache] in process.cpp).
+size_t cached_pidfd_count();
 
 }  // namespace torch_ipc

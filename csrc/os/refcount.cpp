@@ -24,9 +24,15 @@ namespace {
 struct alignas(128) Slot {
   std::atomic<uint64_t> generation;
   std::atomic<uint32_t> tokens;
-  uint32_t reserved;
+  std::atomic<uint32_t> flags;  // kLoadsForbidden
+  
   std::atomic<uint64_t> holders[kHoldersPerSlot];
 };
+// Note [revoked exports]
+// The producer's revoke() (torch_ipc.Export.revoke) forbids loads from then on:
+// a load registers its hold, then finds the flag and gives up, as it does for
+// a changed generation. Loads that got through before keep their holds.
+constexpr uint32_t kLoadsForbidden = 1;
 static_assert(sizeof(Slot) == 128, "slot layout is part of the protocol");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need address-free atomics");
 
@@ -64,9 +70,20 @@ class Leases {
     Slot* s = slot_in(own_.at(segment).get(), slot_index);
     for (auto& h : s->holders) h.store(0);
     s->tokens.store(tokens);
+    s->flags.store(0);
     uint64_t generation = ++next_generation_;
     s->generation.store(generation);
     return LeaseRecord{self_process(), segment, slot_index, generation};
+  }
+
+  // Under the mutex, so that the slot cannot be reclaimed and handed to
+  // another export between the generation check and the flag.
+  void forbid_loads(const LeaseRecord& lease) {
+    Slot* s = slot(lease);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (s->generation.load() != lease.generation) return;
+    s->flags.fetch_or(kLoadsForbidden);
+    s->tokens.store(0);
   }
 
   void release_slot(const LeaseRecord& lease) {
@@ -232,6 +249,11 @@ bool has_living_holder(Slot* s) {
   return living;
 }
 
+[[noreturn]] void throw_revoked(const LeaseRecord& lease) {
+  throw Released("torch_ipc: this export was revoked by its producer (pid " +
+                 std::to_string(lease.owner.pid) + "): it can no longer be loaded");
+}
+
 [[noreturn]] void throw_released(const LeaseRecord& lease) {
   throw Released("torch_ipc: this export was already released by its producer (pid " +
                  std::to_string(lease.owner.pid) +
@@ -254,6 +276,10 @@ void hold_as(Slot* s, const LeaseRecord& lease, uint32_t holder, uint32_t n) {
   if (s->generation.load() != lease.generation) {
     remove_holder(s, holder, n);
     throw_released(lease);
+  }
+  if (s->flags.load() & kLoadsForbidden) {  // Note [revoked exports]
+    remove_holder(s, holder, n);
+    throw_revoked(lease);
   }
 }
 
@@ -282,6 +308,8 @@ bool lease_try_reclaim(const LeaseRecord& lease) {
   Leases::get().release_slot(lease);
   return true;
 }
+
+void lease_forbid_loads(const LeaseRecord& lease) { Leases::get().forbid_loads(lease); }
 
 void lease_revoke_tokens(const LeaseRecord& lease) {
   Slot* s = Leases::get().slot(lease);
@@ -337,9 +365,20 @@ void lease_abandon(const LeaseRecord& lease) noexcept {
   }
 }
 
+bool lease_names_holder(const LeaseRecord& lease, uint32_t pid) {
+  Slot* s = Leases::get().slot(lease);
+  if (s->generation.load() != lease.generation) throw_released(lease);
+  for (auto& h : s->holders) {
+    const uint64_t w = h.load();
+    if (w != 0 && (holder_pid(w) & ~kDeliveryBit) == pid) return true;
+  }
+  return false;
+}
+
 void lease_take_token(const LeaseRecord& lease, bool take) {
   Slot* s = Leases::get().slot(lease);
   if (s->generation.load() != lease.generation) throw_released(lease);
+  if (s->flags.load() & kLoadsForbidden) throw_revoked(lease);
   if (take) take_one_token(s);
 }
 

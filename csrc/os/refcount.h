@@ -47,6 +47,9 @@ LeaseRecord lease_acquire(uint32_t tokens);
 // Clears the words of dead holders either way (Note [holder limit]).
 bool lease_try_reclaim(const LeaseRecord& lease);
 void lease_revoke_tokens(const LeaseRecord& lease);
+// Revoke: no load may start from now on, and no token is left (Note [revoked
+// exports] in refcount.cpp). Loads already made keep their holds.
+void lease_forbid_loads(const LeaseRecord& lease);
 LeaseCounts lease_counts(const LeaseRecord& lease);
 
 // An export() that failed after acquiring gives its slot back.
@@ -64,6 +67,10 @@ void lease_unhold(const LeaseRecord& lease) noexcept;
 // nobody will load (itself).
 void lease_add_deliveries(const LeaseRecord& lease, uint32_t n);
 void lease_remove_deliveries(const LeaseRecord& lease, uint32_t forwarder_pid, uint32_t n) noexcept;
+// Whether `pid` holds at the lease's slot or has deliveries pending there, as
+// a forwarder of it does (Note [forwarder cross-check] in core/import.cpp).
+// Throws Released when the export was reclaimed.
+bool lease_names_holder(const LeaseRecord& lease, uint32_t pid);
 // A load in the owner process itself: check the export lives and take one
 // token (if `take` and one is left), without holding.
 void lease_take_token(const LeaseRecord& lease, bool take = true);

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <ctime>
 #include <map>
 #include <memory>
@@ -19,40 +20,44 @@ namespace torch_ipc {
 namespace {
 
 constexpr time_t kCreatingSeconds = 60;  // an anchor without bytes is being created
-std::atomic<int64_t> swept{0};  // an anchor without bytes is being created
+std::atomic<int64_t> swept{0};  // files this process's sweeps removed
 
 using AnchorKey = std::tuple<uint32_t, uint64_t, uint32_t>;  // pid, start time, segment
 
-// An open file of our uid in /dev/shm, or -1.
-int open_own(int dir, const std::string& name, struct stat* st) {
-  int fd = openat(dir, name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) return -1;
-  if (fstat(fd, st) != 0 || !S_ISREG(st->st_mode) || st->st_uid != geteuid()) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
+// Note [unknown is not dead]
+// Only a positive proof of death may delete: the anchor's OFD lock free, or
+// the anchor gone (ENOENT; or its name now holding a file that is not the
+// regular file of our uid its owner made, which proves that one unlinked). Any
+// other failure to look (EMFILE, ENFILE, ENOMEM, EACCES) says nothing about
+// the owner: its files stay, and a later sweep judges them again. A process
+// at its fd limit would otherwise delete every live producer's files.
+enum class Anchor { Alive, Dead, Unknown };
 
 // Whether the anchor `name` proves its owner alive: it exists, is ours, and
 // is locked (or has no bytes yet, and is young). The size is read before the
 // lock: its owner locked before it gave it bytes.
-bool anchor_alive(int dir, const std::string& name) {
+Anchor judge_anchor(int dir, const std::string& name) {
+  int fd = openat(dir, name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return errno == ENOENT || errno == ELOOP ? Anchor::Dead : Anchor::Unknown;
   struct stat st;
-  int fd = open_own(dir, name, &st);
-  if (fd < 0) return false;
-  bool alive;
-  if (st.st_size == 0) {
-    alive = std::time(nullptr) - st.st_mtime < kCreatingSeconds;
+  Anchor verdict = Anchor::Alive;
+  if (fstat(fd, &st) != 0) {
+    verdict = Anchor::Unknown;
+  } else if (!S_ISREG(st.st_mode) || st.st_uid != geteuid()) {
+    verdict = Anchor::Dead;  // not the file its owner made: that one was unlinked
+  } else if (st.st_size == 0) {
+    verdict = std::time(nullptr) - st.st_mtime < kCreatingSeconds ? Anchor::Alive : Anchor::Dead;
   } else {
     struct flock probe {};
     probe.l_type = F_WRLCK;
     probe.l_whence = SEEK_SET;
-    // A failed probe proves nothing: keep the file.
-    alive = fcntl(fd, F_OFD_GETLK, &probe) != 0 || probe.l_type != F_UNLCK;
+    if (fcntl(fd, F_OFD_GETLK, &probe) != 0)
+      verdict = Anchor::Unknown;  // a failed probe proves nothing
+    else if (probe.l_type == F_UNLCK)
+      verdict = Anchor::Dead;
   }
   close(fd);
-  return alive;
+  return verdict;
 }
 
 bool owned_regular_file(int dir, const std::string& name) {
@@ -75,17 +80,17 @@ int sweep_stale_shm() noexcept {
       if (!parsed || !owned_regular_file(dir, name)) continue;
       files.emplace_back(name, AnchorKey{parsed->pid, parsed->start_time, parsed->anchor});
     }
-    std::map<AnchorKey, bool> alive;
+    std::map<AnchorKey, bool> dead;  // Note [unknown is not dead]
     for (const auto& [name, key] : files) {
-      if (alive.count(key)) continue;
+      if (dead.count(key)) continue;
       ProcessId owner{std::get<0>(key), std::get<1>(key)};
-      alive[key] = anchor_alive(dir, lease_segment_name(owner, std::get<2>(key)).substr(1));
+      dead[key] = judge_anchor(dir, lease_segment_name(owner, std::get<2>(key)).substr(1)) == Anchor::Dead;
     }
     // Anchors last: while one is there, its files are judged by it.
     int removed = 0;
     for (bool anchors : {false, true})
       for (const auto& [name, key] : files)
-        if (!alive[key] && parse_shared_file_name(name)->lease == anchors)
+        if (dead[key] && parse_shared_file_name(name)->lease == anchors)
           removed += unlinkat(dir, name.c_str(), 0) == 0;
     swept += removed;
     return removed;

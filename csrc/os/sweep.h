@@ -20,7 +20,9 @@ namespace torch_ipc {
 // is stale when its anchor has bytes and no lock, or is gone. Only files of
 // our own uid are looked at: another user's files are not ours to judge (and
 // root would otherwise remove anybody's). A file without bytes is an anchor
-// being created; it is stale only once it is a minute old.
+// being created; it is stale only once it is a minute old. An anchor that
+// cannot be looked at (no fd left) keeps its files (Note [unknown is not dead]
+// in sweep.cpp).
 
 // Remove the stale files; returns how many. Never throws.
 int sweep_stale_shm() noexcept;

@@ -87,7 +87,9 @@ void bind_core(py::module_& m) {
       "changes nothing; revoke() says nobody will load it any more.")
       .def_property_readonly("data", [](const Export& e) { return py::bytes(e.data()); })
       .def_property_readonly("live", &Export::live)
-      .def("revoke", &Export::revoke);
+      .def("revoke", &Export::revoke)
+      .def("forbid_loads", &Export::forbid_loads,
+           "revoke(), and refuse every load from now on (torch_ipc.Export.revoke)");
   m.def("export_tensors", &export_tensors, py::arg("tensors"), py::arg("is_parameter"),
         py::arg("payload"), py::arg("consumers") = 1);
   // Note [one shareability rule] in core/export.cpp: one tensor, or all of a list.

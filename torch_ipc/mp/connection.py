@@ -11,6 +11,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import warnings
 import weakref
 from multiprocessing import AuthenticationError
@@ -18,6 +19,8 @@ from multiprocessing import connection as mpc
 from typing import Any, List, Optional, Tuple, Union
 
 from .. import _C, _process, _runtime, _serialize
+from ..errors import InFlightLimitError
+from . import _flow, _listener
 
 __all__ = ["Listener", "Client", "Connection", "listen", "connect"]
 
@@ -73,23 +76,80 @@ _runtime.on_collect(_check_peers)
 
 
 class Connection:
-    """One end of a torch_ipc connection: ``send(obj)``, ``recv()``, ``close()``."""
+    """One end of a torch_ipc connection: ``send(obj)``, ``recv()``, ``close()``.
 
-    def __init__(self, conn: mpc.Connection, peer: _process.ProcessId):
+    ``max_bytes_in_flight`` (None: no bound) bounds the bytes of tensors this
+    end sent that the peer has not released yet, read or unread (Note [bytes
+    in flight] in _flow.py); it may be changed at any time."""
+
+    def __init__(self, conn: mpc.Connection, peer: _process.ProcessId, *, max_bytes_in_flight: Optional[int] = None):
         self._conn = conn
         self._peer = peer
         self._sent: List[_C.Export] = []  # what we sent that the peer may still load
+        self._sent_bytes: List[Tuple[_C.Export, int]] = []  # Note [bytes in flight]
+        self.max_bytes_in_flight = max_bytes_in_flight
         with _open_lock:
             _open_connections.add(self)
 
-    def send(self, obj: Any) -> None:
-        """Export ``obj`` (tensors zero-copy) and send it as one message."""
-        sent = _serialize.export_object(obj)
+    # ---- send path: Note [bytes in flight], Note [send time limit]
+    def send(self, obj: Any, timeout: Optional[float] = None) -> None:
+        """Export ``obj`` (tensors zero-copy) and send it as one message.
+
+        ``timeout`` (seconds; None waits as long as it takes) bounds the whole
+        send: waiting for room under ``max_bytes_in_flight`` and writing to a
+        peer that does not read. Past it, :class:`TimeoutError`; the message
+        was not sent, or (written in part) the connection is closed."""
+        deadline = _flow.deadline_of(timeout)
+        parts = _serialize.split(obj)
+        nbytes = _flow.storage_bytes(parts[0])
+        self._wait_for_room(nbytes, deadline)
+        sent = _serialize.export_object(obj, parts)
+        try:
+            if deadline is None:
+                self._conn.send_bytes(sent.data)
+            else:
+                self._send_by(sent.data, deadline)
+        except BaseException:
+            sent.revoke()  # the peer has not got it (or got part of it): nobody loads it
+            raise
         if sent.live:  # it holds tensors of ours or forwarded ones
             self._sent.append(sent)
+            self._sent_bytes.append((sent, nbytes))
             if len(self._sent) % _PRUNE_EVERY == 0:
                 self._sent = _live(self._sent)
-        self._conn.send_bytes(sent.data)
+                self._sent_bytes = [(e, n) for e, n in self._sent_bytes if e.live]
+
+    def bytes_in_flight(self) -> int:
+        """Bytes of tensors sent here that the peer has not released yet."""
+        self._sent_bytes = [(e, n) for e, n in self._sent_bytes if e.live]
+        return sum(n for _, n in self._sent_bytes)
+
+    def _wait_for_room(self, nbytes: int, deadline: Optional[float]) -> None:
+        limit = self.max_bytes_in_flight
+        if limit is None or nbytes == 0:
+            return
+        if nbytes > limit:
+            raise InFlightLimitError(f"torch_ipc: this message holds {nbytes} bytes of tensors, more than the "
+                                     f"connection's max_bytes_in_flight ({limit}); raise the limit or send less")
+        while (pending := self.bytes_in_flight()) + nbytes > limit:
+            if deadline is None or time.monotonic() >= deadline:
+                raise InFlightLimitError(
+                    f"torch_ipc: sending {nbytes} bytes would put {pending + nbytes} bytes in flight to pid "
+                    f"{self.peer_pid}, over the connection's max_bytes_in_flight ({limit}): the peer has not "
+                    "read or released what was sent" + ("" if deadline is None else " within the timeout")
+                    + "; pass send(timeout=...) to wait for it, or raise the limit")
+            time.sleep(_flow.ROOM_POLL_S)
+
+    def _send_by(self, data: bytes, deadline: float) -> None:
+        """send_bytes that gives up at ``deadline`` (Note [send time limit] in _flow.py)."""
+        written = _flow.write_by(self._conn.fileno(), data, deadline)
+        if written < 0:
+            return
+        if written:
+            self.close()  # the peer holds part of a message: the stream cannot go on
+        raise TimeoutError(f"torch_ipc: send() to pid {self.peer_pid} did not finish within its timeout: "
+                           "the peer does not read" + ("; the connection is closed, part of the message "
+                                                       "having been written" if written else ""))
 
     def recv(self) -> Any:
         """Receive one message and rebuild it on the sender's memory."""
@@ -133,6 +193,7 @@ class Connection:
     def _revoke_sent(self) -> None:
         sent, self._sent = self._sent, []
         _revoke(sent)
+        self._sent_bytes = []
 
     def close(self) -> None:
         """Close our end. Idempotent. What the peer has not loaded yet stays
@@ -140,6 +201,7 @@ class Connection:
         and is given back when it exits."""
         with _open_lock:
             sent, self._sent = _live(self._sent), []
+            self._sent_bytes = []
             if sent:
                 _orphans.append((self._peer, sent))
             _open_connections.discard(self)
@@ -199,39 +261,24 @@ def _exchange_identities(conn: mpc.Connection) -> _process.ProcessId:
 
 
 # Note [handshake time limit]
-# Listener.accept() authenticates each client before returning it. A client
-# that connects and then hangs up, or connects and says nothing, must neither
-# raise out of accept() nor block it: every read and write of the handshake
-# gives up after `handshake_timeout` seconds (SO_RCVTIMEO/SO_SNDTIMEO, since
-# multiprocessing reads the socket with blocking os.read), the client is
-# closed with a warning, and accept() waits for the next one.
+# Listener.accept() returns authenticated clients only. A client that connects
+# and then hangs up, says nothing, or trickles its handshake must neither raise
+# out of accept() nor delay other clients: each handshake runs on a thread of
+# its own under one deadline of `handshake_timeout` seconds for all of it
+# (Note [concurrent handshakes] in _listener.py), the client is closed, and
+# accept() warns and goes on with the next one.
 _HANDSHAKE_ERRORS = (AuthenticationError, EOFError, OSError)
 
 
-def _set_io_timeout(conn: mpc.Connection, seconds: float) -> None:
-    """Let each read and write on ``conn`` wait at most ``seconds`` (0: forever)."""
-    sock = socket.socket(fileno=conn.fileno())
-    try:
-        whole = int(seconds)
-        value = struct.pack("ll", whole, int((seconds - whole) * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
-    finally:
-        sock.detach()
-
-
-def _accept_handshake(conn: mpc.Connection, authkey: bytes, timeout: float) -> _process.ProcessId:
+def _accept_handshake(conn: mpc.Connection, authkey: bytes) -> _process.ProcessId:
     """Authenticate a client that just connected; its process."""
-    _set_io_timeout(conn, timeout)
     mpc.deliver_challenge(conn, authkey)
     mpc.answer_challenge(conn, authkey)
-    peer = _exchange_identities(conn)
-    _set_io_timeout(conn, 0)
-    return peer
+    return _exchange_identities(conn)
 
 
-def _refusal(e: BaseException, timeout: float) -> str:
-    if isinstance(e, BlockingIOError):  # what a read or write past SO_*TIMEO raises
+def _refusal(e: BaseException, timed_out: bool, timeout: float) -> str:
+    if timed_out or isinstance(e, BlockingIOError):
         return f"it did not finish the handshake within {timeout:g} s"
     if isinstance(e, (EOFError, BrokenPipeError, ConnectionResetError)):
         return "it hung up during the handshake"
@@ -248,6 +295,10 @@ class Listener:
     """Accept torch_ipc connections. ``authkey=None`` generates a random key,
     available as ``.authkey`` and printed to stderr so a client can be given it.
 
+    A Unix socket file gets ``mode`` (0o600, the owner only; None: the
+    umask's); a socket file left at ``address`` by a listener that died is
+    taken over. ``max_bytes_in_flight`` becomes each accepted connection's.
+
     Example::
 
         >>> with torch_ipc.listen(authkey=b"secret") as listener:  # doctest: +SKIP
@@ -262,6 +313,8 @@ class Listener:
         authkey: Optional[bytes] = None,
         backlog: int = 16,
         handshake_timeout: float = 10.0,
+        mode: Optional[int] = 0o600,
+        max_bytes_in_flight: Optional[int] = None,
     ):
         if not handshake_timeout > 0:
             raise ValueError(f"handshake_timeout must be positive, got {handshake_timeout!r}")
@@ -272,10 +325,13 @@ class Listener:
             raise TypeError("authkey must be non-empty bytes")
         self.authkey = authkey
         self.handshake_timeout = float(handshake_timeout)
-        # No authkey here: accept() authenticates, with a time limit.
+        self.max_bytes_in_flight = max_bytes_in_flight
+        self._handshakes: Optional[_listener.Handshakes] = None
         try:
-            self._listener = mpc.Listener(address, family, backlog=backlog)
+            self._listener = _listener.SocketListener(address, family, backlog, mode)
         except OSError as e:
+            if str(e).startswith("torch_ipc:"):
+                raise
             raise _with_address(e, f"cannot listen at {address!r}", "pick a free address") from None
         if generated:
             print(f"torch_ipc: listening at {self.address!r}; clients connect with "
@@ -287,27 +343,35 @@ class Listener:
 
     def accept(self) -> Connection:
         """Wait for an authenticated client. Clients with a wrong authkey, and
-        clients that hang up or stay silent during the handshake (longer than
-        ``handshake_timeout`` seconds), are refused and skipped with a warning
-        (Note [handshake time limit])."""
+        clients that hang up or do not finish the handshake within
+        ``handshake_timeout`` seconds, are refused and skipped with a warning;
+        a slow client never delays another (Note [handshake time limit])."""
+        if self._listener is None:
+            raise OSError("torch_ipc: the listener is closed")
+        if self._handshakes is None:
+            self._handshakes = _listener.Handshakes(
+                self._listener, lambda conn: _accept_handshake(conn, self.authkey),
+                lambda conn, pid: Connection(conn, pid, max_bytes_in_flight=self.max_bytes_in_flight),
+                self.handshake_timeout)
         while True:
-            if self._listener is None:
+            kind, value = self._handshakes.next()
+            if kind == "ok":
+                return value
+            if kind == "closed":
                 raise OSError("torch_ipc: the listener is closed")
-            conn = self._listener.accept()
-            try:
-                return Connection(conn, _accept_handshake(conn, self.authkey, self.handshake_timeout))
-            except _HANDSHAKE_ERRORS as e:
-                conn.close()
-                warnings.warn(f"torch_ipc: refused a client: {_refusal(e, self.handshake_timeout)}", RuntimeWarning)
-            except BaseException:
-                conn.close()
-                raise
+            error, timed_out = value
+            if not isinstance(error, _HANDSHAKE_ERRORS):
+                raise error
+            warnings.warn(f"torch_ipc: refused a client: {_refusal(error, timed_out, self.handshake_timeout)}",
+                          RuntimeWarning)
 
     def close(self) -> None:
         """Stop listening. Idempotent."""
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        if self._handshakes is not None:
+            self._handshakes.close()
 
     def __enter__(self) -> "Listener":
         return self
@@ -317,26 +381,27 @@ class Listener:
 
 
 def listen(
-    address: Optional[Address] = None, *, authkey: Optional[bytes] = None, handshake_timeout: float = 10.0
+    address: Optional[Address] = None,
+    *,
+    authkey: Optional[bytes] = None,
+    handshake_timeout: float = 10.0,
+    mode: Optional[int] = 0o600,
+    max_bytes_in_flight: Optional[int] = None,
 ) -> Listener:
     """Listen for torch_ipc clients at ``address`` (a Unix socket path, or a
     (host, port) pair; None picks a fresh Unix socket)."""
-    return Listener(address, authkey=authkey, handshake_timeout=handshake_timeout)
+    return Listener(address, authkey=authkey, handshake_timeout=handshake_timeout, mode=mode,
+                    max_bytes_in_flight=max_bytes_in_flight)
 
 
-def Client(address: Address, family: Optional[str] = None, authkey: Optional[bytes] = None) -> Connection:
-    """Connect to a :class:`Listener`; the signature of
-    ``multiprocessing.connection.Client``, except that ``authkey`` is required
-    (bytes; there is no process-wide default). A wrong ``authkey`` raises
-    :class:`multiprocessing.AuthenticationError` and nothing is received.
-
-    Example::
-
-        >>> with torch_ipc.Client(address, authkey=b"secret") as conn:  # doctest: +SKIP
-        ...     y = conn.recv()
-    """
+def _check_authkey(authkey: Any, caller: str) -> None:
     if not isinstance(authkey, bytes) or not authkey:
-        raise TypeError("torch_ipc.Client: authkey must be non-empty bytes (it is required)")
+        raise TypeError(f"torch_ipc.{caller}: authkey must be non-empty bytes (it is required), "
+                        f"not {type(authkey).__name__}")
+
+
+def _client(address: Address, family: Optional[str], authkey: bytes,
+            max_bytes_in_flight: Optional[int]) -> Connection:
     try:
         conn = mpc.Client(address, family, authkey=authkey)
     except AuthenticationError as e:
@@ -344,9 +409,27 @@ def Client(address: Address, family: Optional[str] = None, authkey: Optional[byt
     except OSError as e:
         raise _with_address(e, f"cannot connect to {address!r}",
                             "start the listener first, or check the address") from None
-    return Connection(conn, _exchange_identities(conn))
+    return Connection(conn, _exchange_identities(conn), max_bytes_in_flight=max_bytes_in_flight)
 
 
-def connect(address: Address, *, authkey: bytes) -> Connection:
+def Client(address: Address, family: Optional[str] = None, authkey: Optional[bytes] = None) -> Connection:
+    """Connect to a :class:`Listener`; the signature of
+    ``multiprocessing.connection.Client``, except that ``authkey`` is required
+    (bytes; there is no process-wide default). A wrong ``authkey`` raises
+    :class:`multiprocessing.AuthenticationError` and nothing is received.
+    Set ``.max_bytes_in_flight`` on the connection for a bound (or use
+    :func:`connect`).
+
+    Example::
+
+        >>> with torch_ipc.Client(address, authkey=b"secret") as conn:  # doctest: +SKIP
+        ...     y = conn.recv()
+    """
+    _check_authkey(authkey, "Client")
+    return _client(address, family, authkey, None)
+
+
+def connect(address: Address, *, authkey: bytes, max_bytes_in_flight: Optional[int] = None) -> Connection:
     """``Client(address, authkey=authkey)``."""
-    return Client(address, authkey=authkey)
+    _check_authkey(authkey, "connect")
+    return _client(address, None, authkey, max_bytes_in_flight)

@@ -1,0 +1,185 @@
+"""The Listener against slow clients and leftovers: a client that trickles its
+handshake delays nobody and is cut off at the handshake's deadline (Note
+[concurrent handshakes] in torch_ipc/mp/_listener.py); the socket file is 0600
+unless asked otherwise; a path left by a killed listener is taken over (Note
+[stale socket path]); connect()'s errors name connect. CPU only."""
+import errno
+import os
+import socket
+import stat
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+
+import torch_ipc
+from torch_ipc.testing import Peer
+
+AUTHKEY = b"listener-hardening-key"
+JOIN_S = 30.0
+
+
+class _Trickler:
+    """A client that connects and then sends its handshake answer one byte
+    every ``every`` seconds, until stopped; ``cut_after`` says when the
+    listener hung up on it (a send failed)."""
+
+    def __init__(self, address, every: float):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(address)
+        self.every = every
+        self.stop = threading.Event()
+        self.started = time.monotonic()
+        self.cut_after = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        # A frame of 200 bytes (multiprocessing's length prefix), one byte at a time.
+        payload = (200).to_bytes(4, "big") + b"x" * 200
+        for i in range(len(payload)):
+            if self.stop.wait(self.every):
+                return
+            try:
+                self.sock.send(payload[i:i + 1])
+            except OSError:
+                self.cut_after = time.monotonic() - self.started
+                return
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(JOIN_S)
+        self.sock.close()
+
+
+def _connect_send_and_time(address, authkey):
+    start = time.monotonic()
+    with torch_ipc.connect(address, authkey=authkey) as conn:
+        conn.send(torch.arange(3))
+        conn.recv()  # the listener's answer
+    return time.monotonic() - start
+
+
+def test_trickling_client_does_not_delay_a_legitimate_one(ipc_peer):
+    with torch_ipc.listen(authkey=AUTHKEY, handshake_timeout=10.0) as listener:
+        trickler = _Trickler(listener.address, every=0.2)
+        try:
+            time.sleep(0.3)  # the trickler is in its handshake now (it has sent a byte)
+            ipc_peer.start_call(_connect_send_and_time, listener.address, AUTHKEY)
+            start = time.monotonic()
+            with listener.accept() as conn:
+                served = time.monotonic() - start
+                assert conn.recv().tolist() == [0, 1, 2]
+                conn.send(torch.ones(1))
+            took = ipc_peer.result(timeout=JOIN_S)
+        finally:
+            trickler.close()
+    assert served < 1.0 and took < 1.0, f"a legitimate client waited {served:.2f} s ({took:.2f} s on its side)"
+
+
+def test_trickling_client_is_cut_off_at_the_handshake_deadline():
+    with torch_ipc.listen(authkey=AUTHKEY, handshake_timeout=1.0) as listener:
+        trickler = _Trickler(listener.address, every=0.1)
+        caught = []
+
+        def accept():
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                try:
+                    listener.accept()
+                except OSError:
+                    pass  # closed below
+            caught.extend(str(x.message) for x in w)
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 10
+            while trickler.cut_after is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            trickler.close()
+            listener.close()
+            thread.join(JOIN_S)
+    assert trickler.cut_after is not None and trickler.cut_after < 3.0, trickler.cut_after
+    assert any("did not finish the handshake within 1 s" in m for m in caught), caught
+
+
+def _socket_mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.mark.parametrize("mode, expected", [(None, None), (0o600, 0o600), (0o660, 0o660)])
+def test_unix_socket_mode(tmp_path, mode, expected):
+    old = os.umask(0)  # the umask that made it srwxrwxrwx
+    try:
+        kwargs = {} if mode is None else {"mode": mode}
+        with torch_ipc.listen(str(tmp_path / "s"), authkey=AUTHKEY, **kwargs) as listener:
+            assert _socket_mode(listener.address) == (expected or 0o600)
+    finally:
+        os.umask(old)
+
+
+def test_mode_none_keeps_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        with torch_ipc.listen(str(tmp_path / "s"), authkey=AUTHKEY, mode=None) as listener:
+            assert _socket_mode(listener.address) == 0o755
+    finally:
+        os.umask(old)
+
+
+def _listen_and_wait(path):
+    listener = torch_ipc.listen(path, authkey=AUTHKEY)
+    _LISTENERS.append(listener)
+    return os.getpid()
+
+
+_LISTENERS = []
+
+
+def test_listen_takes_over_a_path_left_by_a_killed_listener(tmp_path):
+    path = str(tmp_path / "s")
+    with Peer() as peer:
+        peer.call(_listen_and_wait, path)
+        peer.kill()
+    assert stat.S_ISSOCK(os.lstat(path).st_mode), "the killed listener left no socket file"
+    with torch_ipc.listen(path, authkey=AUTHKEY) as listener:
+        thread = threading.Thread(target=lambda: _ACCEPTED.append(listener.accept()), daemon=True)
+        thread.start()
+        with torch_ipc.connect(path, authkey=AUTHKEY) as conn:
+            thread.join(JOIN_S)
+            with _ACCEPTED.pop() as server:
+                server.send(torch.arange(2))
+                assert conn.recv().tolist() == [0, 1]
+
+
+_ACCEPTED = []
+
+
+def test_listen_where_somebody_listens_says_so(tmp_path):
+    path = str(tmp_path / "s")
+    with torch_ipc.listen(path, authkey=AUTHKEY):
+        with pytest.raises(OSError) as info:
+            torch_ipc.listen(path, authkey=AUTHKEY)
+        assert info.value.errno == errno.EADDRINUSE
+        assert "another listener accepts connections there" in str(info.value)
+        assert os.path.exists(path), "the live listener's socket was removed"
+
+
+def test_listen_on_a_file_that_is_not_a_socket(tmp_path):
+    path = tmp_path / "f"
+    path.write_text("keep me")
+    with pytest.raises(FileExistsError, match="not a socket"):
+        torch_ipc.listen(str(path), authkey=AUTHKEY)
+    assert path.read_text() == "keep me"
+
+
+def test_connect_with_a_str_authkey_names_connect(tmp_path):
+    with pytest.raises(TypeError) as info:
+        torch_ipc.connect(str(tmp_path / "s"), authkey="k")
+    assert "torch_ipc.connect" in str(info.value) and "Client" not in str(info.value)
+    with pytest.raises(TypeError, match="torch_ipc.Client"):
+        torch_ipc.Client(str(tmp_path / "s"), authkey="k")
