@@ -188,6 +188,13 @@ def test_attach_with_another_layout_is_refused(pool, ipc_peer):
     assert ipc_peer.call(attach, data) == 16
 
 
+def test_attach_takes_the_pool_itself(pool):
+    assert SharedKVPool.attach(pool, SHAPE, torch.int32) is pool
+    with pytest.raises(LayoutMismatchError):
+        SharedKVPool.attach(pool, SHAPE, torch.int64)
+    assert not pool.closed  # the owner's pool stays open
+
+
 def test_attach_errors():
     with pytest.raises(TypeError, match="SharedKVPool"):
         SharedKVPool.attach(torch_ipc.dumps([1, 2]))
@@ -308,6 +315,28 @@ def test_holder_killed_inside_the_allocator_is_recovered(pool):
     ids = pool.allocate(12)  # EOWNERDEAD: the segment is rebuilt from the holder table
     assert len(set(ids)) == 12 and pool.free_blocks == 0
     assert pool.holders() == {os.getpid(): 16}
+
+
+def test_a_member_that_never_releases_the_lock_is_named_after_the_time_limit(pool):
+    """Note [the pool's lock] in csrc/features/kv/pool_lock.h: a holder that
+    stays alive inside the allocator (stopped, hung) costs the others
+    lock_timeout seconds and a TimeoutError that names it, not a hang."""
+    pool.lock_timeout = 0.5
+    with Peer(timeout=60, name="kv-stuck") as stuck:
+        stuck.call(attach, torch_ipc.dumps(pool))
+        stuck.start_call(stall_inside_allocator)
+        assert _wait_until(lambda: pool.free_blocks == 0), "the peer never took the lock"
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=f"within 0.5 s .*pid {stuck.pid} .*recorded taking it"):
+            pool.allocate(1)
+        assert 0.4 < time.monotonic() - start < 5
+        start = time.monotonic()
+        assert pool._reclaim_unless_busy() == 0  # the collector's reclaim skips a busy lock
+        assert time.monotonic() - start < 0.4
+        stuck.kill()
+    assert len(pool.allocate(16)) == 16  # repaired after the holder died
+    with pytest.raises(ValueError, match="lock_timeout"):
+        pool.lock_timeout = -1
 
 
 # ----------------------------------------------------------------------------- hand-over

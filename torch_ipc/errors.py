@@ -8,6 +8,7 @@ __all__ = [
     "ReleasedError",
     "DeviceNotFoundError",
     "HolderLimitError",
+    "PoolCorruptedError",
 ]
 
 
@@ -51,3 +52,10 @@ class HolderLimitError(RuntimeError):
     """One export is held by as many living processes as it has room for (14):
     load it in fewer processes at once, or export once per group of consumers.
     Processes that died holding it do not count."""
+
+
+class PoolCorruptedError(RuntimeError):
+    """A KV pool's shared memory holds what no pool operation writes (a
+    process attached to it wrote into it): the operation was refused and
+    changed nothing. Raised by :mod:`torch_ipc.kv` as
+    ``torch_ipc.kv.PoolCorruptedError``."""
