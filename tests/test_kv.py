@@ -404,7 +404,7 @@ def test_hand_over_errors(pool, ipc_peer):
     theirs = ipc_peer.call(allocate, 3)
     pid, start = ipc_peer.call(self_process)
     ipc_peer.call(close_pool)
-    message = ("torch_ipc.kv/1", pool._name, 1, pid, start, True, torch_ipc.kv._pack(theirs).tobytes(), None, None)
+    message = ("torch_ipc.kv/1", pool._name, 1, pid, start, True, torch_ipc.kv._ids.pack(theirs).tobytes(), None, None)
     a.send(message)
     with pytest.raises(ValueError, match="no longer attached"):
         pool.recv(b)

@@ -149,7 +149,7 @@ def _receive_pool(source: Any, cls: type) -> Any:
         try:
             pool = _serialize.loads(bytes(source))
         except DescriptorError as e:  # loads wraps what unpickling raised: say what it was
-            if isinstance(e.__cause__, (ReleasedError, ProducerGoneError, PoolCorruptedError)):
+            if isinstance(e.__cause__, (ReleasedError, ProducerGoneError, PoolCorruptedError, TimeoutError)):
                 raise e.__cause__ from None
             raise
     elif hasattr(source, "recv"):
