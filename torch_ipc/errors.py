@@ -56,6 +56,5 @@ class HolderLimitError(RuntimeError):
 
 class PoolCorruptedError(RuntimeError):
     """A KV pool's shared memory holds what no pool operation writes (a
-    process attached to it wrote into it): the operation was refused and
-    changed nothing. Raised by :mod:`torch_ipc.kv` as
+    process attached to it wrote into it): the operation was refused. Raised by :mod:`torch_ipc.kv` as
     ``torch_ipc.kv.PoolCorruptedError``."""

@@ -80,7 +80,7 @@ PoolGeometry read_pool_geometry(const PoolHeader* h, size_t segment_bytes, const
 void throw_pool_corrupted(const std::string& name, const std::string& what) {
   throw PoolCorrupted(str("torch_ipc: KV pool ", name, " is corrupted: ", what,
                           ". Some process attached to it wrote into its shared memory what no pool "
-                          "operation writes; the operation was refused and changed nothing"));
+                          "operation writes; the operation was refused"));
 }
 
 std::vector<std::pair<std::string, std::pair<size_t, size_t>>> pool_field_offsets(uint64_t max_blocks) {
