@@ -340,3 +340,44 @@ def process_gone(pid: int, within: float = 10.0) -> bool:
             return False
         time.sleep(0.05)
 
+
+
+# ----------------------------------------------------------------------------- files of other users, bait
+
+
+class PickleMarker:
+    """Unpickling this creates a file: the proof that a pickle ran."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def pickled_descriptor(marker: str, shape=(4,)) -> bytes:
+    """A descriptor of one tensor whose payload is a pickle that creates
+    `marker` when loaded (HELD keeps the tensor: the export lives as long as
+    this process)."""
+    import pickle
+
+    from torch_ipc import _serialize
+
+    t = torch.zeros(shape, dtype=torch.int64)
+    HELD["bait"] = t
+    payload = _serialize._PICKLED + pickle.dumps(PickleMarker(marker))
+    return _serialize.export([t], [False], payload, consumers=2**32 - 1).data
+
+
+def plant_as_uid(uid: int, path: str, content: bytes, mode: int = 0o666) -> int:
+    """In a child run as root: become `uid` and create `path` (mode `mode`,
+    whatever the umask) holding `content`; returns the file's owner."""
+    os.setgid(uid)
+    os.setuid(uid)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, mode)
+    try:
+        os.fchmod(fd, mode)
+        os.write(fd, content)
+    finally:
+        os.close(fd)
+    return os.stat(path).st_uid

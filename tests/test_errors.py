@@ -23,6 +23,7 @@ _STATE = {}
 REPLY_MAGIC = 0x52464954  # "TIFR", Note [fd server protocol] in csrc/os/fd_passing.cpp
 HAS_BLOBS = 2
 SLOT_BYTES, SLOTS, HOLDERS = 128, 4096, 14  # Slot in csrc/os/refcount.cpp, Note [holder limit]
+IDENTITY_BYTES = 4096  # before a segment's data: Note [segment identity] in csrc/os/shm.h
 
 
 def _header(status=0, total=0, first=0, count=0, flags=0) -> bytes:
@@ -137,12 +138,12 @@ def _fill_holders(pid: int, start: int) -> int:
     14 other processes held its exports). Returns how many slots were filled."""
     fd = os.open(_shm_path("L", pid, start), os.O_RDWR)
     try:
-        m = mmap.mmap(fd, SLOT_BYTES * SLOTS)
+        m = mmap.mmap(fd, IDENTITY_BYTES + SLOT_BYTES * SLOTS)
     finally:
         os.close(fd)
     filled = 0
     for slot in range(SLOTS):
-        base = slot * SLOT_BYTES
+        base = IDENTITY_BYTES + slot * SLOT_BYTES
         (generation,) = struct.unpack_from("<Q", m, base)
         if generation == 0:
             continue

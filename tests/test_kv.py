@@ -134,7 +134,7 @@ def make_pool_and_hold(device: str, num_blocks: int) -> bytes:
 
 
 def self_process() -> tuple:
-    return torch_ipc._C.BlockAllocator.self_process()
+    return torch_ipc._C.self_process()
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -188,6 +188,13 @@ def test_attach_with_another_layout_is_refused(pool, ipc_peer):
     assert ipc_peer.call(attach, data) == 16
 
 
+def test_attach_takes_the_pool_itself(pool):
+    assert SharedKVPool.attach(pool, SHAPE, torch.int32) is pool
+    with pytest.raises(LayoutMismatchError):
+        SharedKVPool.attach(pool, SHAPE, torch.int64)
+    assert not pool.closed  # the owner's pool stays open
+
+
 def test_attach_errors():
     with pytest.raises(TypeError, match="SharedKVPool"):
         SharedKVPool.attach(torch_ipc.dumps([1, 2]))
@@ -198,7 +205,7 @@ def test_attach_errors():
     name = pool._name
     pool.close()
     with pytest.raises(torch_ipc.ReleasedError, match="closed by its owner"):
-        torch_ipc.kv._load_pool(name, *torch_ipc._C.BlockAllocator.self_process())
+        torch_ipc.kv._load_pool(name, *torch_ipc._C.self_process())
     with pytest.raises(torch_ipc.ReleasedError, match="closed by its owner"):
         SharedKVPool.attach(data)
     with pytest.raises(RuntimeError, match="closed"):
@@ -310,6 +317,28 @@ def test_holder_killed_inside_the_allocator_is_recovered(pool):
     assert pool.holders() == {os.getpid(): 16}
 
 
+def test_a_member_that_never_releases_the_lock_is_named_after_the_time_limit(pool):
+    """Note [the pool's lock] in csrc/features/kv/pool_lock.h: a holder that
+    stays alive inside the allocator (stopped, hung) costs the others
+    lock_timeout seconds and a TimeoutError that names it, not a hang."""
+    pool.lock_timeout = 0.5
+    with Peer(timeout=60, name="kv-stuck") as stuck:
+        stuck.call(attach, torch_ipc.dumps(pool))
+        stuck.start_call(stall_inside_allocator)
+        assert _wait_until(lambda: pool.free_blocks == 0), "the peer never took the lock"
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=f"within 0.5 s .*pid {stuck.pid} .*recorded taking it"):
+            pool.allocate(1)
+        assert 0.4 < time.monotonic() - start < 5
+        start = time.monotonic()
+        assert pool._reclaim_unless_busy() == 0  # the collector's reclaim skips a busy lock
+        assert time.monotonic() - start < 0.4
+        stuck.kill()
+    assert len(pool.allocate(16)) == 16  # repaired after the holder died
+    with pytest.raises(ValueError, match="lock_timeout"):
+        pool.lock_timeout = -1
+
+
 # ----------------------------------------------------------------------------- hand-over
 
 
@@ -375,7 +404,7 @@ def test_hand_over_errors(pool, ipc_peer):
     theirs = ipc_peer.call(allocate, 3)
     pid, start = ipc_peer.call(self_process)
     ipc_peer.call(close_pool)
-    message = ("torch_ipc.kv/1", pool._name, 1, pid, start, True, torch_ipc.kv._pack(theirs).tobytes(), None, None)
+    message = ("torch_ipc.kv/1", pool._name, 1, pid, start, True, torch_ipc.kv._ids.pack(theirs).tobytes(), None, None)
     a.send(message)
     with pytest.raises(ValueError, match="no longer attached"):
         pool.recv(b)

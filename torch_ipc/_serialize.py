@@ -293,6 +293,31 @@ def loads(data: bytes) -> Any:
     return obj
 
 
+# Note [single-tensor descriptors]
+# Descriptors that torch_ipc keeps where other processes can write (a KV
+# pool's chunk records, Note [chunk records are data] in kv/_segment.py) hold
+# one tensor and nothing else: a payload of tag _SINGLE, no pickle. They are
+# loaded by load_single_tensor, which refuses any other payload before reading
+# it, so nothing read from shared memory is ever unpickled.
+
+
+def export_single_tensor(tensor: torch.Tensor, *, consumers: int) -> "_C.Export":
+    """Export one tensor as a descriptor that :func:`load_single_tensor` takes."""
+    return export([tensor], [False], _SINGLE, consumers=consumers)
+
+
+def load_single_tensor(data: bytes) -> torch.Tensor:
+    """The tensor of a descriptor from :func:`export_single_tensor`; a
+    :class:`DescriptorError` for any other descriptor, whose payload is never
+    unpickled (Note [single-tensor descriptors])."""
+    _runtime.ensure_started()
+    tensors, is_parameter, payload, pending = _C.load(bytes(data), None if _cuda_ready else _ensure_cuda)
+    if payload != _SINGLE or len(tensors) != 1 or any(is_parameter):
+        raise DescriptorError("torch_ipc: expected a descriptor of one tensor and nothing else")
+    pending.commit()
+    return tensors[0]
+
+
 def _rebuild(tensors, is_parameter, payload: bytes) -> Any:
     """The object of a payload, on the tensors of its load."""
     for i, is_param in enumerate(is_parameter):

@@ -9,6 +9,7 @@ __all__ = [
     "DeviceNotFoundError",
     "HolderLimitError",
     "InFlightLimitError",
+    "PoolCorruptedError",
 ]
 
 
@@ -58,3 +59,9 @@ class InFlightLimitError(RuntimeError):
     """``Connection.send()`` would take the bytes of tensors sent on that
     connection and not yet released by the peer past its
     ``max_bytes_in_flight``: the peer does not read, or keeps what it read."""
+
+
+class PoolCorruptedError(RuntimeError):
+    """A KV pool's shared memory holds what no pool operation writes (a
+    process attached to it wrote into it): the operation was refused. Raised by :mod:`torch_ipc.kv` as
+    ``torch_ipc.kv.PoolCorruptedError``."""

@@ -65,6 +65,13 @@ struct HolderLimit : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A KV pool's shared memory holds what no operation writes (Note [nothing
+// trusted from the pool's segment] in features/kv/pool_segment.h). Python:
+// torch_ipc.kv.PoolCorruptedError (a RuntimeError).
+struct PoolCorrupted : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // A system call failed (sockets, shared memory, pidfd). Python: OSError with
 // `errno` set, so the builtin subclass that fits (PermissionError,
 // FileNotFoundError, ...) is what the caller catches.

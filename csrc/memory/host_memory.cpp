@@ -6,8 +6,9 @@
 
 #include <c10/core/CPUAllocator.h>
 
-#include "os/names.h"
+#include "base/errors.h"
 #include "base/fork.h"
+#include "os/names.h"
 #include "os/process.h"
 #include "os/refcount.h"
 
@@ -56,7 +57,7 @@ HostSegment ensure_host_shared(const c10::Storage& storage) {
   size_t nbytes = storage.nbytes();
   const uint32_t anchor = lease_anchor_segment();  // made first: Note [sweep]
   auto shm = create_under_random_name("a host segment", [&](uint64_t r) {
-    return ShmMapping::create(host_segment_name(self_process(), anchor, r), nbytes);
+    return ShmMapping::create(host_segment_name(self_process(), anchor, r), nbytes, self_process());
   });
   std::memcpy(shm->data(), current.get(), nbytes);
   HostSegment out{shm->name(), nbytes};
@@ -68,7 +69,12 @@ HostSegment ensure_host_shared(const c10::Storage& storage) {
 }
 
 std::shared_ptr<ShmMapping> open_host_segment(const std::string& name, size_t min_size) {
-  auto m = ShmMapping::open(name, min_size);
+  // The name says whose it is (Note [names]); the file must be that process's
+  // (Note [segment identity] in os/shm.h).
+  auto parsed = name.size() > 1 && name[0] == '/' ? parse_shared_file_name(name.substr(1)) : std::nullopt;
+  if (!parsed || parsed->lease)
+    throw DescriptorError("malformed torch_ipc descriptor: " + name + " is not a host segment's name");
+  auto m = ShmMapping::open(name, min_size, ProcessId{parsed->pid, parsed->start_time});
   return std::shared_ptr<ShmMapping>(m.release());
 }
 

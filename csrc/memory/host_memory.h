@@ -23,7 +23,8 @@ HostSegment ensure_host_shared(const c10::Storage& storage);
 // True when ensure_host_shared moved this storage already.
 bool is_host_shared(const c10::Storage& storage);
 
-// Map another process's object. Returns nullptr when the name is gone.
+// Map another process's object: the one its name names as its maker (Note
+// [segment identity] in os/shm.h). Returns nullptr when the name is gone.
 std::shared_ptr<ShmMapping> open_host_segment(const std::string& name, size_t min_size);
 
 int host_segment_count();

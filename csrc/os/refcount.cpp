@@ -106,7 +106,7 @@ class Leases {
     auto it = foreign_.find(key);
     if (it == foreign_.end()) {
       const std::string name = lease_segment_name(lease.owner, lease.segment);
-      auto mapping = ShmMapping::open(name, kSegmentBytes);
+      auto mapping = ShmMapping::open(name, kSegmentBytes, lease.owner);
       if (!mapping) {
         if (!process_alive(lease.owner))
           throw producer_gone(lease.owner.pid, "its lease segment is gone");
@@ -173,7 +173,7 @@ class Leases {
       segment = static_cast<uint32_t>(r);
       return own_.count(segment) ? nullptr
                                  : ShmMapping::create(lease_segment_name(self_process(), segment),
-                                                      kSegmentBytes, /*anchor=*/true);
+                                                      kSegmentBytes, self_process(), /*anchor=*/true);
     });
     for (uint32_t i = kSlotsPerSegment; i-- > 0;) free_.emplace_back(segment, i);
     if (own_.empty()) anchor_ = segment;

@@ -62,10 +62,56 @@ int lock_whole_file(int fd) {
   return fcntl(fd, F_OFD_SETLK, &lock) == 0 ? 0 : errno;
 }
 
+// The identity page (Note [segment identity]): its first bytes.
+constexpr uint64_t kIdentityMagic = 0x3147455343504954ull;  // "TIPCSEG1"
+struct Identity {
+  uint64_t magic;
+  uint32_t pid;
+  uint32_t reserved;
+  uint64_t start_time;
+};
+
+void write_identity(void* page, const ProcessId& creator) {
+  auto* id = static_cast<Identity*>(page);
+  id->pid = creator.pid;
+  id->start_time = creator.start_time;
+  id->magic = kIdentityMagic;
+}
+
+// Why the file of `st` cannot be one this process's uid made for sharing, or "".
+std::string foreign_file(const struct stat& st) {
+  if (!S_ISREG(st.st_mode)) return "it is not a regular file";
+  if (st.st_uid != geteuid())
+    return str("it is owned by uid ", st.st_uid, ", not by this process's uid ", geteuid());
+  if ((st.st_mode & 07777) != 0600) {
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    return str("its mode is ", mode, ", not 0600");
+  }
+  return "";
+}
+
+// Why the identity page does not name `creator`, or "".
+std::string identity_mismatch(const void* page, const ProcessId& creator) {
+  const auto* id = static_cast<const Identity*>(page);
+  if (id->magic != kIdentityMagic) return "it has no torch_ipc identity page";
+  if (id->pid != creator.pid || id->start_time != creator.start_time)
+    return str("it was made by pid ", id->pid, " (start time ", id->start_time, ")");
+  return "";
+}
+
+Released not_the_creators(const std::string& name, const ProcessId& creator, const std::string& why) {
+  return Released(str("torch_ipc: the shared memory object ", name, " is not the one pid ", creator.pid,
+                      " (start time ", creator.start_time, ") made: ", why,
+                      ". Its maker let go of it and another process created a file of that name, or "
+                      "planted one; refusing to map it"));
+}
+
 }  // namespace
 
-std::unique_ptr<ShmMapping> ShmMapping::create(const std::string& name, size_t size, bool anchor) {
-  int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+std::unique_ptr<ShmMapping> ShmMapping::create(const std::string& name, size_t size,
+                                              const ProcessId& creator, bool anchor) {
+  int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) {
     if (errno == EEXIST) return nullptr;
     throw_os_error("shm_open", name);
@@ -75,24 +121,30 @@ std::unique_ptr<ShmMapping> ShmMapping::create(const std::string& name, size_t s
     shm_unlink(name.c_str());
     throw e;
   };
+  // 0600 whatever the umask: what openers demand (Note [segment identity]).
+  if (fchmod(fd, 0600) != 0) fail(os_error(errno, "fchmod", name));
   // The lock comes before the size: a file with bytes and no lock is one
   // whose owner is gone (Note [sweep]).
   if (anchor)
     if (int err = lock_whole_file(fd)) fail(os_error(err, "fcntl(F_OFD_SETLK)", name));
-  if (int err = reserve(fd, size)) fail(reserve_error(err, name, size));
-  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const size_t mapped = kIdentityBytes + size;
+  if (int err = reserve(fd, mapped)) fail(reserve_error(err, name, mapped));
+  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) fail(os_error(errno, "mmap", name));
+  write_identity(p, creator);
   if (!anchor) {
     close(fd);
     fd = -1;
   }
-  return std::unique_ptr<ShmMapping>(new ShmMapping(name, p, size, true, fd));
+  return std::unique_ptr<ShmMapping>(new ShmMapping(name, p, mapped, true, fd));
 }
 
-std::unique_ptr<ShmMapping> ShmMapping::open(const std::string& name, size_t min_size) {
-  int fd = shm_open(name.c_str(), O_RDWR, 0);
+std::unique_ptr<ShmMapping> ShmMapping::open(const std::string& name, size_t min_size,
+                                            const ProcessId& creator) {
+  int fd = shm_open(name.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0);
   if (fd < 0) {
     if (errno == ENOENT) return nullptr;
+    if (errno == ELOOP) throw not_the_creators(name, creator, "it is a symbolic link");
     throw_os_error("shm_open", name);
   }
   struct stat st;
@@ -101,20 +153,31 @@ std::unique_ptr<ShmMapping> ShmMapping::open(const std::string& name, size_t min
     close(fd);
     throw os_error(err, "fstat", name);
   }
-  if (static_cast<size_t>(st.st_size) < min_size) {
+  const std::string foreign = foreign_file(st);
+  if (!foreign.empty()) {
+    close(fd);
+    throw not_the_creators(name, creator, foreign);
+  }
+  if (static_cast<size_t>(st.st_size) < kIdentityBytes ||
+      static_cast<size_t>(st.st_size) - kIdentityBytes < min_size) {
     close(fd);
     // The object is there but smaller than the caller was told: the claim is
     // wrong, not the system (mapping it would SIGBUS past its end).
     throw DescriptorError("malformed torch_ipc descriptor: shared memory object " + name + " has " +
                           std::to_string(st.st_size) + " bytes, fewer than the " +
-                          std::to_string(min_size) + " it names");
+                          std::to_string(min_size + kIdentityBytes) + " it names");
   }
-  size_t size = static_cast<size_t>(st.st_size);
-  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const size_t mapped = static_cast<size_t>(st.st_size);
+  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
   close(fd);
   if (p == MAP_FAILED) throw os_error(err, "mmap", name);
-  return std::unique_ptr<ShmMapping>(new ShmMapping(name, p, size, false));
+  const std::string impostor = identity_mismatch(p, creator);
+  if (!impostor.empty()) {
+    munmap(p, mapped);
+    throw not_the_creators(name, creator, impostor);
+  }
+  return std::unique_ptr<ShmMapping>(new ShmMapping(name, p, mapped, false));
 }
 
 void ShmMapping::unlink() {
@@ -134,7 +197,7 @@ void ShmMapping::disown() {
 
 ShmMapping::~ShmMapping() {
   unlink();  // before the lock goes: a sweeper never sees this file unlocked
-  if (munmap(data_, size_) != 0)
+  if (munmap(base_, mapped_) != 0)
     TORCH_WARN("torch_ipc: munmap(", name_, ") failed: ", std::strerror(errno));
   if (lock_fd_ >= 0) close(lock_fd_);
 }

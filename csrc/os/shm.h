@@ -1,12 +1,28 @@
 // POSIX shared memory mappings (shm_open + mmap), owned RAII-style. Used for
-// the lease counters and for host (CPU) tensor storage.
+// the lease counters, host (CPU) tensor storage and KV pools.
 #pragma once
 
 #include <cstddef>
 #include <memory>
 #include <string>
 
+#include "base/ids.h"
+
 namespace torch_ipc {
+
+// Note [segment identity]
+// /dev/shm is world-writable and its names are listable: once a segment's
+// name is gone (its owner unlinked it, or exited and was swept), any local
+// user can create a file of that name, and a process that opens it by name
+// would map what that user wrote (a KV pool's chunk records, a tensor's
+// bytes). So every segment is checked when opened: it must be a regular file
+// (O_NOFOLLOW: never a symlink) of this process's euid with mode 0600 exactly
+// (nobody else could have written it), and it starts with an identity page
+// that its creator wrote: a magic word and the creator's pid and start time,
+// which must be the process the opener expected (the one its name names,
+// Note [names] in names.h). What the caller sees (data(), size()) starts
+// after that page, so it stays page-aligned. A file that fails is not the
+// producer's: Released ("the producer let go of it; this file is another's").
 
 class ShmMapping {
  public:
@@ -16,19 +32,26 @@ class ShmMapping {
   // /dev/shm is too small, naming its size and free space; EMFILE, ...), and
   // leaves no file behind. An `anchor` keeps its file open with an OFD lock
   // for as long as it lives: the proof that its owner lives (Note [sweep]).
+  // `creator` (this process) is written into its identity page (Note
+  // [segment identity]).
   static std::unique_ptr<ShmMapping> create(const std::string& name, size_t size,
-                                            bool anchor = false);
-  // Open an existing object; at least `min_size` bytes must be there. Returns
-  // nullptr when no object has that name (its owner unlinked it); throws
-  // DescriptorError when it is smaller (the size came from a descriptor), and
-  // OsError when a call fails (EACCES, EMFILE, ...).
-  static std::unique_ptr<ShmMapping> open(const std::string& name, size_t min_size);
+                                            const ProcessId& creator, bool anchor = false);
+  // Open an existing object made by `creator`; at least `min_size` bytes must
+  // be there. Returns nullptr when no object has that name (its owner
+  // unlinked it); throws Released when the file is not `creator`'s (Note
+  // [segment identity]), DescriptorError when it is smaller (the size came
+  // from a descriptor), and OsError when a call fails (EACCES, EMFILE, ...).
+  static std::unique_ptr<ShmMapping> open(const std::string& name, size_t min_size,
+                                          const ProcessId& creator);
+  // Bytes before data() in every segment: the identity page.
+  static constexpr size_t kIdentityBytes = 4096;
   ~ShmMapping();
   ShmMapping(const ShmMapping&) = delete;
   ShmMapping& operator=(const ShmMapping&) = delete;
 
-  void* data() const { return data_; }
-  size_t size() const { return size_; }
+  // The caller's bytes, after the identity page.
+  void* data() const { return static_cast<char*>(base_) + kIdentityBytes; }
+  size_t size() const { return mapped_ - kIdentityBytes; }
   const std::string& name() const { return name_; }
   // Remove the name; existing mappings stay valid. Idempotent.
   void unlink();
@@ -38,11 +61,11 @@ class ShmMapping {
   void disown();
 
  private:
-  ShmMapping(std::string name, void* data, size_t size, bool owner, int lock_fd = -1)
-      : name_(std::move(name)), data_(data), size_(size), linked_(owner), lock_fd_(lock_fd) {}
+  ShmMapping(std::string name, void* base, size_t mapped, bool owner, int lock_fd = -1)
+      : name_(std::move(name)), base_(base), mapped_(mapped), linked_(owner), lock_fd_(lock_fd) {}
   std::string name_;
-  void* data_;
-  size_t size_;
+  void* base_;     // the mapping, identity page first
+  size_t mapped_;  // its bytes
   bool linked_;
   int lock_fd_;  // an anchor's open file, holding its OFD lock; -1 otherwise
 };

@@ -34,6 +34,8 @@ void translate(std::exception_ptr p) {
     raise("DeviceNotFoundError", e.what());
   } catch (const HolderLimit& e) {
     raise("HolderLimitError", e.what());
+  } catch (const PoolCorrupted& e) {
+    raise("PoolCorruptedError", e.what());
   } catch (const OsError& e) {
     py::object exc = py::reinterpret_steal<py::object>(
         PyObject_CallFunction(PyExc_OSError, "is", e.error_number, e.what()));

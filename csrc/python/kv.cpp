@@ -42,7 +42,7 @@ void bind_block_ownership(py::class_<Allocator>& c) {
              py::gil_scoped_release release;
              a.take_over(p, n, slot, ProcessId{pid, start_time});
            })
-      .def("reclaim_dead", &Allocator::reclaim_dead, ReleaseGil())
+      .def("reclaim_dead", &Allocator::reclaim_dead, py::arg("wait") = true, ReleaseGil())
       .def("holder_of",
            [](const Allocator& a, int64_t id) {
              ProcessId p;
@@ -85,17 +85,17 @@ void bind_kv(py::module_& m) {
             return Allocator::attach(name, ProcessId{pid, start_time});
           },
           py::arg("name"), py::arg("pid"), py::arg("start_time"), ReleaseGil())
-      .def_static("self_process", [] { return process_tuple(self_process()); })
       .def_readonly_static("max_chunks", &Allocator::kMaxChunks)
       .def_property_readonly("name", &Allocator::name)
       .def_property_readonly("layout",
                              [](const Allocator& a) {
-                               BlockLayout l = a.layout();
+                               const BlockLayout& l = a.layout();
                                return py::make_tuple(l.shape, static_cast<at::ScalarType>(l.dtype), l.block_bytes);
                              })
       .def_property_readonly("num_blocks", &Allocator::num_blocks)
       .def_property_readonly("max_blocks", &Allocator::max_blocks)
       .def_property_readonly("free_blocks", &Allocator::free_blocks)
+      .def_property("lock_timeout", &Allocator::lock_timeout, &Allocator::set_lock_timeout)
       .def_property_readonly("slot", &Allocator::slot);
   bind_block_ownership(c);
   c.def("add_chunk",
@@ -113,6 +113,12 @@ void bind_kv(py::module_& m) {
              }
              py::list out;
              for (const auto& c : chunks) out.append(py::make_tuple(c.first, c.count, py::bytes(c.descriptor)));
+             return out;
+           })
+      .def("field_offsets",
+           [](const Allocator& a) {
+             py::dict out;  // tests only: name -> (offset in the segment's file, bytes)
+             for (const auto& [name, where] : a.field_offsets()) out[py::str(name)] = py::make_tuple(where.first, where.second);
              return out;
            })
       .def("detach", &Allocator::detach, ReleaseGil())

@@ -6,14 +6,13 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cerrno>
+#include <cmath>
 #include <cstring>
 
-#include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
 #include "base/errors.h"
+#include "features/kv/pool_lock.h"
 #include "os/names.h"
 #include "os/process.h"
 #include "os/refcount.h"
@@ -34,162 +33,81 @@ namespace torch_ipc {
 // process by pid AND start time, so a recycled pid is never mistaken for the
 // holder (process_alive, process.h). Blocks of a process that died are given
 // back by whoever next runs short of blocks, or calls reclaim_dead() (each
-// attached process does, from its background collector).
-
-namespace {
-
-constexpr uint64_t kSegmentMagic = 0x3130564b43504954ull;  // "TIPCKV01"
-constexpr uint32_t kSegmentVersion = 1;
-
-struct ProcessSlot {
-  uint32_t in_use;
-  uint32_t pid;
-  uint64_t start_time;
-  uint64_t held;
-  uint64_t reserved;
-};
-
-struct ChunkEntry {
-  uint64_t first;
-  uint64_t count;
-  uint32_t descriptor_bytes;
-  uint32_t reserved;
-  char descriptor[BlockAllocator::kDescriptorBytes];
-};
-
-}  // namespace
-
-struct BlockAllocator::Header {
-  uint64_t magic;
-  uint32_t version;
-  uint32_t max_processes;
-  uint32_t max_chunks;
-  uint32_t descriptor_bytes;
-  uint64_t max_blocks;
-  uint32_t ndim;
-  int32_t dtype;
-  int64_t shape[kMaxBlockDims];
-  uint64_t block_bytes;
-  pthread_mutex_t mutex;
-  std::atomic<uint64_t> num_blocks;
-  std::atomic<uint64_t> free_count;
-  std::atomic<uint32_t> num_chunks;
-  uint32_t reserved;
-  ProcessSlot processes[kMaxProcesses];
-  ChunkEntry chunks[kMaxChunks];
-  // Followed by uint32_t holder[max_blocks] and uint32_t free_stack[max_blocks].
-};
-static_assert(std::atomic<uint64_t>::is_always_lock_free, "need address-free atomics");
-
-namespace {
-
-size_t segment_bytes(uint64_t max_blocks) {
-  return sizeof(BlockAllocator::Header) + 2 * sizeof(uint32_t) * max_blocks;  // max_blocks <= 2^31
-}
-
-uint32_t* holder_table(BlockAllocator::Header* h) { return reinterpret_cast<uint32_t*>(h + 1); }
-uint32_t* free_stack(BlockAllocator::Header* h) { return holder_table(h) + h->max_blocks; }
-
-// The layout's bytes per block, or 0 when it is not a valid layout.
-uint64_t checked_block_bytes(uint32_t ndim, const int64_t* shape, int32_t dtype) {
-  if (ndim > kMaxBlockDims || dtype < 0 ||
-      dtype >= static_cast<int32_t>(c10::ScalarType::NumOptions) ||
-      dtype == static_cast<int32_t>(c10::ScalarType::Undefined))
-    return 0;
-  uint64_t bytes = c10::elementSize(static_cast<c10::ScalarType>(dtype));
-  for (uint32_t i = 0; i < ndim; ++i) {
-    if (shape[i] <= 0 || bytes > UINT64_MAX / static_cast<uint64_t>(shape[i])) return 0;
-    bytes *= static_cast<uint64_t>(shape[i]);
-  }
-  return bytes;
-}
-
-}  // namespace
+// attached process does, from its background collector). Every lock checks
+// the counts against each other first (check_locked), and every index read
+// from the segment is checked where it is used (Note [nothing trusted from
+// the pool's segment] in pool_segment.h).
 
 class BlockAllocator::Lock {
  public:
-  explicit Lock(const BlockAllocator& a) : h_(a.header()) {
-    const int r = pthread_mutex_lock(&h_->mutex);
-    if (r == EOWNERDEAD) {  // Note [block ownership under a robust mutex]
-      const_cast<BlockAllocator&>(a).rebuild_locked();
-      pthread_mutex_consistent(&h_->mutex);
-    } else if (r != 0) {
-      throw os_error(r, "pthread_mutex_lock", a.name());
+  // Takes the lock, repairs after a holder that died, checks the counts.
+  explicit Lock(const BlockAllocator& a, bool wait = true)
+      : mutex_(a.header(), a.lock_timeout_, wait, a.name()) {
+    if (!mutex_.locked()) return;
+    if (mutex_.owner_died()) {  // Note [block ownership under a robust mutex]
+      try {
+        const_cast<BlockAllocator&>(a).rebuild_locked();
+      } catch (...) {
+        mutex_.mark_consistent();  // the next locker finds the same damage and says so
+        throw;
+      }
+      mutex_.mark_consistent();
     }
+    a.check_locked();  // a throw here unlocks (mutex_ is built)
   }
-  ~Lock() { pthread_mutex_unlock(&h_->mutex); }
-  Lock(const Lock&) = delete;
-  Lock& operator=(const Lock&) = delete;
+  bool locked() const { return mutex_.locked(); }
 
  private:
-  Header* h_;
+  PoolMutex mutex_;
 };
 
-BlockAllocator::BlockAllocator(std::unique_ptr<ShmMapping> shm) : shm_(std::move(shm)) {}
-
-BlockAllocator::Header* BlockAllocator::header() const { return static_cast<Header*>(shm_->data()); }
+BlockAllocator::BlockAllocator(std::unique_ptr<ShmMapping> shm, PoolGeometry geometry)
+    : shm_(std::move(shm)), geometry_(std::move(geometry)) {}
 
 std::unique_ptr<BlockAllocator> BlockAllocator::create(const BlockLayout& layout, uint64_t max_blocks) {
   TORCH_IPC_CHECK_VALUE(max_blocks >= 1 && max_blocks <= kMaxBlocks, "torch_ipc: a KV pool has 1 to ", kMaxBlocks,
-                    " blocks, not ", max_blocks);
+                        " blocks, not ", max_blocks);
   TORCH_IPC_CHECK_VALUE(!layout.shape.empty() && layout.shape.size() <= kMaxBlockDims,
-                    "torch_ipc: a block has 1 to ", kMaxBlockDims, " dimensions, not ", layout.shape.size());
-  const uint64_t block_bytes =
+                        "torch_ipc: a block has 1 to ", kMaxBlockDims, " dimensions, not ", layout.shape.size());
+  PoolGeometry geometry{max_blocks, layout};
+  geometry.layout.block_bytes =
       checked_block_bytes(static_cast<uint32_t>(layout.shape.size()), layout.shape.data(), layout.dtype);
-  TORCH_IPC_CHECK_VALUE(block_bytes > 0, "torch_ipc: a block's dimensions must be positive and its size fit in 64 bits");
+  TORCH_IPC_CHECK_VALUE(geometry.layout.block_bytes > 0,
+                        "torch_ipc: a block's dimensions must be positive and its size fit in 64 bits");
 
   // Named as a host segment of this process: the sweep removes the name once
   // the owner is gone (Note [sweep]); attached processes keep their mapping.
   const uint32_t anchor = lease_anchor_segment();
   auto shm = create_under_random_name("a KV pool's segment", [&](uint64_t random) {
-    return ShmMapping::create(host_segment_name(self_process(), anchor, random), segment_bytes(max_blocks));
+    return ShmMapping::create(host_segment_name(self_process(), anchor, random), pool_segment_bytes(max_blocks),
+                              self_process());
   });
-  auto* h = static_cast<Header*>(shm->data());  // zero-filled
-  h->version = kSegmentVersion;
-  h->max_processes = kMaxProcesses;
-  h->max_chunks = kMaxChunks;
-  h->descriptor_bytes = kDescriptorBytes;
-  h->max_blocks = max_blocks;
-  h->ndim = static_cast<uint32_t>(layout.shape.size());
-  h->dtype = layout.dtype;
-  std::copy(layout.shape.begin(), layout.shape.end(), h->shape);
-  h->block_bytes = block_bytes;
-  pthread_mutexattr_t attr;
-  pthread_mutexattr_init(&attr);
-  pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
-  pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
-  const int r = pthread_mutex_init(&h->mutex, &attr);
-  pthread_mutexattr_destroy(&attr);
-  if (r != 0) throw os_error(r, "pthread_mutex_init", shm->name());
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  reinterpret_cast<std::atomic<uint64_t>*>(&h->magic)->store(kSegmentMagic);  // attachable from here on
-  std::unique_ptr<BlockAllocator> a(new BlockAllocator(std::move(shm)));
+  auto* h = static_cast<PoolHeader*>(shm->data());  // zero-filled
+  init_pool_header(h, geometry);
+  init_pool_mutex(&h->mutex, shm->name());
+  publish_pool_header(h);  // attachable from here on
+  std::unique_ptr<BlockAllocator> a(new BlockAllocator(std::move(shm), std::move(geometry)));
   a->register_self();
   return a;
 }
 
 std::unique_ptr<BlockAllocator> BlockAllocator::attach(const std::string& name, const ProcessId& creator) {
-  TORCH_IPC_CHECK_VALUE(name.rfind("/torch_ipc.", 0) == 0 && name.find('/', 1) == std::string::npos,
-                    "torch_ipc: '", name, "' is not the name of a KV pool's segment");
-  auto shm = ShmMapping::open(name, sizeof(Header));
+  auto parsed = name.size() > 1 && name[0] == '/' && name.find('/', 1) == std::string::npos
+                    ? parse_shared_file_name(name.substr(1))
+                    : std::nullopt;
+  TORCH_IPC_CHECK_VALUE(parsed && !parsed->lease, "torch_ipc: '", name, "' is not the name of a KV pool's segment");
+  const ProcessId maker{parsed->pid, parsed->start_time};
+  TORCH_IPC_CHECK_VALUE(creator == ProcessId{} || creator == maker, "torch_ipc: KV pool ", name,
+                        " is named as pid ", maker.pid, "'s, not pid ", creator.pid, "'s");
+  auto shm = ShmMapping::open(name, sizeof(PoolHeader), maker);
   if (!shm) {
-    if (!process_alive(creator)) throw producer_gone(creator.pid, "the KV pool it made can no longer be attached");
-    throw Released("torch_ipc: the KV pool " + name + " was closed by its owner (pid " +
-                   std::to_string(creator.pid) + ")");
+    if (!process_alive(maker)) throw producer_gone(maker.pid, "the KV pool it made can no longer be attached");
+    throw Released("torch_ipc: the KV pool " + name + " was closed by its owner (pid " + std::to_string(maker.pid) +
+                   ")");
   }
-  const auto* h = static_cast<const Header*>(shm->data());
-  const auto bad = [&](const std::string& why) {
-    return DescriptorError("torch_ipc: " + name + " is not a KV pool segment of this version: " + why);
-  };
-  if (reinterpret_cast<const std::atomic<uint64_t>*>(&h->magic)->load() != kSegmentMagic || h->version != kSegmentVersion)
-    throw bad("wrong magic or version");
-  if (h->max_processes != kMaxProcesses || h->max_chunks != kMaxChunks || h->descriptor_bytes != kDescriptorBytes)
-    throw bad("other table sizes");
-  if (h->max_blocks < 1 || h->max_blocks > kMaxBlocks || shm->size() < segment_bytes(h->max_blocks))
-    throw bad("its block tables do not fit in it");
-  if (checked_block_bytes(h->ndim, h->shape, h->dtype) != h->block_bytes || h->ndim == 0)
-    throw bad("its block layout is inconsistent");
-  std::unique_ptr<BlockAllocator> a(new BlockAllocator(std::move(shm)));
+  PoolGeometry geometry =
+      read_pool_geometry(static_cast<const PoolHeader*>(shm->data()), shm->size(), name);
+  std::unique_ptr<BlockAllocator> a(new BlockAllocator(std::move(shm), std::move(geometry)));
   a->register_self();
   return a;
 }
@@ -201,6 +119,7 @@ void BlockAllocator::detach() noexcept {
     shm_->disown();
     return;
   }
+  if (!registered_) return;
   try {
     Lock lock(*this);
     release_slot_locked(slot_);
@@ -211,67 +130,150 @@ void BlockAllocator::detach() noexcept {
 
 BlockAllocator::~BlockAllocator() { detach(); }
 
+void BlockAllocator::set_lock_timeout(double seconds) {
+  TORCH_IPC_CHECK_VALUE(std::isfinite(seconds) && seconds >= 0 && seconds <= 1e6,
+                        "torch_ipc: lock_timeout is 0 to 1e6 seconds, not ", seconds);
+  lock_timeout_ = seconds;
+}
+
 void BlockAllocator::check_attached() const {
   TORCH_IPC_CHECK(!made_here_.inherited(), "torch_ipc: this attachment to KV pool ", name(),
-              " was inherited through fork and is the parent's; attach in this process");
+                  " was inherited through fork and is the parent's; attach in this process");
   TORCH_IPC_CHECK(!detached_, "torch_ipc: this process detached from KV pool ", name());
 }
 
 void BlockAllocator::register_self() {
-  Header* h = header();
+  PoolHeader* h = header();
   Lock lock(*this);
   for (int attempt = 0; attempt < 2; ++attempt) {
     for (uint32_t i = 0; i < kMaxProcesses; ++i) {
-      ProcessSlot& s = h->processes[i];
+      PoolProcessSlot& s = h->processes[i];
       if (s.in_use) continue;
       s.pid = self_process().pid;
       s.start_time = self_process().start_time;
       s.held = 0;
       s.in_use = 1;
       slot_ = i;
+      registered_ = true;
       return;
     }
     reclaim_dead_locked();
   }
   TORCH_IPC_CHECK(false, "torch_ipc: KV pool ", name(), " already has ", kMaxProcesses,
-              " processes attached, the most it has room for");
+                  " processes attached, the most it has room for");
 }
 
+// ------------------------------------------------------------------ checks
+
+// The blocks the chunk table commits: chunks back to back from block 0,
+// within max_blocks.
+uint64_t BlockAllocator::committed_by_chunks_locked() const {
+  const PoolHeader* h = header();
+  const uint32_t n_chunks = h->num_chunks.load();
+  if (n_chunks > kMaxChunks) corrupted(str("it counts ", n_chunks, " chunks, more than the ", kMaxChunks, " it has"));
+  uint64_t next = 0;
+  for (uint32_t c = 0; c < n_chunks; ++c) {
+    const uint64_t first = h->chunks[c].first, count = h->chunks[c].count;
+    if (first != next || count == 0 || count > geometry_.max_blocks - next)
+      corrupted(str("chunk ", c, " is recorded as ", count, " blocks from block ", first, " (expected from block ",
+                    next, ", within its ", geometry_.max_blocks, " blocks)"));
+    next += count;
+  }
+  return next;
+}
+
+// `value`, a count read from the segment, when it is at most `bound`.
+uint64_t BlockAllocator::checked_count(uint64_t value, uint64_t bound, const char* what) const {
+  if (value > bound) corrupted(str("its ", what, " is ", value, ", more than ", bound));
+  return value;
+}
+
+// What every operation relies on: the chunks cover num_blocks, and the slots'
+// counts plus the free count add up to it; this process's slot is its own.
+void BlockAllocator::check_locked() const {
+  const PoolHeader* h = header();
+  const uint64_t committed = h->num_blocks.load();
+  if (committed != committed_by_chunks_locked())
+    corrupted(str("it counts ", committed, " blocks but its chunks hold ", committed_by_chunks_locked()));
+  const uint64_t n_free = checked_count(h->free_count.load(), committed, "free count");
+  uint64_t held = 0;
+  for (uint32_t i = 0; i < kMaxProcesses; ++i) {
+    const PoolProcessSlot& s = h->processes[i];
+    const uint32_t in_use = s.in_use;
+    const uint64_t n = s.held;
+    if (in_use > 1 || (!in_use && n != 0))
+      corrupted(str("process slot ", i, " reads in_use ", in_use, " holding ", n, " blocks"));
+    held += checked_count(n, committed - held, "count of blocks held by one process");
+  }
+  if (held + n_free != committed)
+    corrupted(str(held, " blocks held and ", n_free, " free do not add up to its ", committed, " blocks"));
+  if (!registered_) return;
+  const PoolProcessSlot& mine = h->processes[slot_];
+  if (!mine.in_use || mine.pid != self_process().pid || mine.start_time != self_process().start_time)
+    corrupted(str("this process's slot ", slot_, " now names pid ", mine.pid, " (in use: ", mine.in_use,
+                  "); another process took this one for dead or overwrote it"));
+}
+
+// The slot a holder word of block `id` names, or kMaxProcesses when it is free.
+uint32_t BlockAllocator::holder_slot(uint32_t word, uint64_t id) const {
+  if (word == 0) return kMaxProcesses;
+  if (word > kMaxProcesses || !header()->processes[word - 1].in_use)
+    corrupted(str("block ", id, " is recorded as held by process slot ", word - 1, ", which is not in use"));
+  return word - 1;
+}
+
+void BlockAllocator::push_free(uint32_t* stack, uint64_t& n_free, uint64_t id) const {
+  if (n_free >= geometry_.max_blocks) corrupted("its free stack overflows");
+  stack[n_free++] = static_cast<uint32_t>(id);
+}
+
+void BlockAllocator::take_from_slot_locked(uint32_t slot, uint64_t n) {
+  PoolProcessSlot& s = header()->processes[slot];
+  const uint64_t held = s.held;
+  if (held < n) corrupted(str("process slot ", slot, " counts ", held, " blocks, fewer than the ", n, " it gives up"));
+  s.held = held - n;
+}
+
+// ------------------------------------------------------------------ repair and reclaim
+
 void BlockAllocator::rebuild_locked() {
-  Header* h = header();
-  uint64_t committed = 0;
-  const uint32_t n_chunks = std::min<uint32_t>(h->num_chunks.load(), kMaxChunks);
-  for (uint32_t c = 0; c < n_chunks; ++c) committed += h->chunks[c].count;
-  committed = std::min<uint64_t>(committed, h->max_blocks);
+  PoolHeader* h = header();
+  const uint64_t committed = committed_by_chunks_locked();
   h->num_blocks.store(committed);
   for (auto& s : h->processes) s.held = 0;
-  uint32_t* holder = holder_table(h);
-  uint32_t* stack = free_stack(h);
+  uint32_t* holder = holder_table();
+  uint32_t* stack = free_stack();
   uint64_t n_free = 0;
   for (uint64_t id = committed; id-- > 0;) {  // lowest ids on top of the stack
-    uint32_t v = holder[id];
-    if (v != 0 && v <= kMaxProcesses && h->processes[v - 1].in_use) {
+    const uint32_t v = holder[id];
+    if (v > kMaxProcesses) corrupted(str("block ", id, " has holder word ", v));
+    if (v != 0 && h->processes[v - 1].in_use) {
       ++h->processes[v - 1].held;
-    } else {
+    } else {  // free, or held by a slot that its holder was giving up
       holder[id] = 0;
-      stack[n_free++] = static_cast<uint32_t>(id);
+      push_free(stack, n_free, id);
     }
   }
   h->free_count.store(n_free);
 }
 
 void BlockAllocator::release_slot_locked(uint32_t slot) {
-  Header* h = header();
-  ProcessSlot& s = h->processes[slot];
-  if (s.held > 0) {
-    uint32_t* holder = holder_table(h);
-    uint32_t* stack = free_stack(h);
+  PoolHeader* h = header();
+  PoolProcessSlot& s = h->processes[slot];
+  const uint64_t held = s.held;
+  if (held > 0) {
+    const uint64_t committed = num_blocks();
+    uint32_t* holder = holder_table();
+    uint64_t found = 0;
+    for (uint64_t id = 0; id < committed; ++id) found += holder[id] == slot + 1;
+    if (found != held)
+      corrupted(str("process slot ", slot, " counts ", held, " blocks but the holder table gives it ", found));
+    uint32_t* stack = free_stack();
     uint64_t n_free = h->free_count.load();
-    const uint64_t committed = h->num_blocks.load();
     for (uint64_t id = committed; id-- > 0;) {
       if (holder[id] != slot + 1) continue;
       holder[id] = 0;
-      stack[n_free++] = static_cast<uint32_t>(id);
+      push_free(stack, n_free, id);
     }
     h->free_count.store(n_free);
   }
@@ -280,10 +282,10 @@ void BlockAllocator::release_slot_locked(uint32_t slot) {
 }
 
 uint64_t BlockAllocator::reclaim_dead_locked() {
-  Header* h = header();
+  PoolHeader* h = header();
   const uint64_t before = h->free_count.load();
   for (uint32_t i = 0; i < kMaxProcesses; ++i) {
-    ProcessSlot& s = h->processes[i];
+    PoolProcessSlot& s = h->processes[i];
     if (!s.in_use || i == slot_) continue;
     if (process_alive(ProcessId{s.pid, s.start_time})) continue;
     release_slot_locked(i);
@@ -291,31 +293,42 @@ uint64_t BlockAllocator::reclaim_dead_locked() {
   return h->free_count.load() - before;
 }
 
-BlockLayout BlockAllocator::layout() const {
-  const Header* h = header();
-  BlockLayout l;
-  l.shape.assign(h->shape, h->shape + h->ndim);
-  l.dtype = h->dtype;
-  l.block_bytes = h->block_bytes;
-  return l;
+uint64_t BlockAllocator::reclaim_dead(bool wait) {
+  Lock lock(*this, wait);
+  return lock.locked() ? reclaim_dead_locked() : 0;
 }
 
-uint64_t BlockAllocator::num_blocks() const { return header()->num_blocks.load(); }
-uint64_t BlockAllocator::max_blocks() const { return header()->max_blocks; }
-uint64_t BlockAllocator::free_blocks() const { return header()->free_count.load(); }
+// ------------------------------------------------------------------ counts
+
+uint64_t BlockAllocator::num_blocks() const {
+  return checked_count(header()->num_blocks.load(), geometry_.max_blocks, "block count");
+}
+
+uint64_t BlockAllocator::free_blocks() const {
+  return checked_count(header()->free_count.load(), geometry_.max_blocks, "free count");
+}
+
+// ------------------------------------------------------------------ operations
 
 std::vector<int64_t> BlockAllocator::allocate(uint64_t n) {
   check_attached();
-  Header* h = header();
+  PoolHeader* h = header();
   Lock lock(*this);
   if (h->free_count.load() < n) reclaim_dead_locked();
-  const uint64_t n_free = h->free_count.load();
+  const uint64_t committed = num_blocks();
+  const uint64_t n_free = checked_count(h->free_count.load(), committed, "free count");
   if (n_free < n) return {};
-  uint32_t* holder = holder_table(h);
-  const uint32_t* stack = free_stack(h);
+  uint32_t* holder = holder_table();
+  const uint32_t* stack = free_stack();
   std::vector<int64_t> ids(n);
   for (uint64_t i = 0; i < n; ++i) {
     const uint32_t id = stack[n_free - 1 - i];
+    const uint32_t word = id < committed ? holder[id] : 0;
+    if (id >= committed || word != 0) {
+      for (uint64_t j = 0; j < i; ++j) holder[ids[j]] = 0;  // nothing half done
+      corrupted(id >= committed ? str("its free stack lists block ", id, ", past its ", committed, " blocks")
+                                : str("its free stack lists block ", id, ", which is held (holder word ", word, ")"));
+    }
     holder[id] = slot_ + 1;
     ids[i] = id;
   }
@@ -326,41 +339,41 @@ std::vector<int64_t> BlockAllocator::allocate(uint64_t n) {
 
 // Every id in range, none twice, each held by `holder` (a slot + 1).
 void BlockAllocator::check_ids_locked(const int64_t* ids, size_t n, uint32_t holder, const char* what) const {
-  Header* h = header();
-  const uint64_t committed = h->num_blocks.load();
-  const uint32_t* table = holder_table(h);
+  const PoolHeader* h = header();
+  const uint64_t committed = num_blocks();
+  const uint32_t* table = holder_table();
   for (size_t i = 0; i < n; ++i) {
     TORCH_IPC_CHECK_INDEX(ids[i] >= 0 && static_cast<uint64_t>(ids[i]) < committed, "torch_ipc: block id ", ids[i],
-                      " is out of range: the KV pool has blocks 0 to ", committed - 1);
+                          " is out of range: the KV pool has blocks 0 to ", committed - 1);
     const uint32_t v = table[ids[i]];
     if (v == holder) continue;
     TORCH_IPC_CHECK_VALUE(v != 0, "torch_ipc: cannot ", what, " block ", ids[i],
-                      ": it is free (given back already, or never allocated)");
-    const ProcessSlot& s = h->processes[v - 1];
+                          ": it is free (given back already, or never allocated)");
+    const PoolProcessSlot& s = h->processes[holder_slot(v, ids[i])];
     TORCH_IPC_CHECK_VALUE(false, "torch_ipc: cannot ", what, " block ", ids[i], ": it is held by pid ", s.pid,
-                      holder == slot_ + 1 ? ", not by this process" : ", not by the sender");
+                          holder == slot_ + 1 ? ", not by this process" : ", not by the sender");
   }
   std::vector<int64_t> sorted(ids, ids + n);
   std::sort(sorted.begin(), sorted.end());
   auto dup = std::adjacent_find(sorted.begin(), sorted.end());
   TORCH_IPC_CHECK_VALUE(dup == sorted.end(), "torch_ipc: block id ", dup == sorted.end() ? 0 : *dup,
-                    " is listed twice");
+                        " is listed twice");
 }
 
 void BlockAllocator::free(const int64_t* ids, size_t n) {
   check_attached();
-  Header* h = header();
+  PoolHeader* h = header();
   Lock lock(*this);
   check_ids_locked(ids, n, slot_ + 1, "free");
-  uint32_t* holder = holder_table(h);
-  uint32_t* stack = free_stack(h);
+  take_from_slot_locked(slot_, n);
+  uint32_t* holder = holder_table();
+  uint32_t* stack = free_stack();
   uint64_t n_free = h->free_count.load();
   for (size_t i = n; i-- > 0;) {
     holder[ids[i]] = 0;
-    stack[n_free++] = static_cast<uint32_t>(ids[i]);
+    push_free(stack, n_free, static_cast<uint64_t>(ids[i]));
   }
   h->free_count.store(n_free);
-  h->processes[slot_].held -= n;
 }
 
 void BlockAllocator::check_held(const int64_t* ids, size_t n) const {
@@ -371,40 +384,35 @@ void BlockAllocator::check_held(const int64_t* ids, size_t n) const {
 
 void BlockAllocator::take_over(const int64_t* ids, size_t n, uint32_t from_slot, const ProcessId& from) {
   check_attached();
-  Header* h = header();
+  PoolHeader* h = header();
   TORCH_IPC_CHECK_VALUE(from_slot < kMaxProcesses, "torch_ipc: malformed hand-over: process slot ", from_slot);
   Lock lock(*this);
-  const ProcessSlot& s = h->processes[from_slot];
+  const PoolProcessSlot& s = h->processes[from_slot];
   TORCH_IPC_CHECK_VALUE(s.in_use && s.pid == from.pid && s.start_time == from.start_time,
-                    "torch_ipc: the sender of this hand-over (pid ", from.pid,
-                    ") is no longer attached to the KV pool: it closed the pool or exited before the "
-                    "hand-over was received, and its blocks went back to the pool");
+                        "torch_ipc: the sender of this hand-over (pid ", from.pid,
+                        ") is no longer attached to the KV pool: it closed the pool or exited before the "
+                        "hand-over was received, and its blocks went back to the pool");
   if (from_slot == slot_) return;  // handed to itself
   check_ids_locked(ids, n, from_slot + 1, "take over");
-  uint32_t* holder = holder_table(h);
+  take_from_slot_locked(from_slot, n);
+  uint32_t* holder = holder_table();
   for (size_t i = 0; i < n; ++i) holder[ids[i]] = slot_ + 1;
-  h->processes[from_slot].held -= n;
   h->processes[slot_].held += n;
 }
 
-uint64_t BlockAllocator::reclaim_dead() {
-  Lock lock(*this);
-  return reclaim_dead_locked();
-}
-
 ProcessId BlockAllocator::holder_of(int64_t id) const {
-  Header* h = header();
+  const PoolHeader* h = header();
   Lock lock(*this);
-  const uint64_t committed = h->num_blocks.load();
+  const uint64_t committed = num_blocks();
   TORCH_IPC_CHECK_INDEX(id >= 0 && static_cast<uint64_t>(id) < committed, "torch_ipc: block id ", id,
-                    " is out of range: the KV pool has ", committed, " blocks");
-  const uint32_t v = holder_table(h)[id];
-  if (v == 0) return ProcessId{};
-  return ProcessId{h->processes[v - 1].pid, h->processes[v - 1].start_time};
+                        " is out of range: the KV pool has ", committed, " blocks");
+  const uint32_t slot = holder_slot(holder_table()[id], static_cast<uint64_t>(id));
+  if (slot == kMaxProcesses) return ProcessId{};
+  return ProcessId{h->processes[slot].pid, h->processes[slot].start_time};
 }
 
 std::vector<PoolHolder> BlockAllocator::holders() const {
-  Header* h = header();
+  const PoolHeader* h = header();
   Lock lock(*this);
   std::vector<PoolHolder> out;
   for (const auto& s : h->processes)
@@ -413,35 +421,40 @@ std::vector<PoolHolder> BlockAllocator::holders() const {
 }
 
 std::vector<int64_t> BlockAllocator::held_by_self() const {
-  Header* h = header();
+  const PoolHeader* h = header();
   Lock lock(*this);
   std::vector<int64_t> out;
-  const uint32_t* holder = holder_table(h);
-  for (uint64_t id = 0, n = h->num_blocks.load(); id < n; ++id)
-    if (holder[id] == slot_ + 1) out.push_back(static_cast<int64_t>(id));
+  const uint32_t* holder = holder_table();
+  const uint64_t committed = num_blocks();
+  for (uint64_t id = 0; id < committed; ++id)
+    if (holder_slot(holder[id], id) == slot_) out.push_back(static_cast<int64_t>(id));
+  const uint64_t counted = h->processes[slot_].held;
+  if (counted != out.size())
+    corrupted(str("this process's slot counts ", counted, " blocks but the holder table gives it ", out.size()));
   return out;
 }
 
 void BlockAllocator::add_chunk(uint64_t count, const std::string& descriptor) {
-  Header* h = header();
+  PoolHeader* h = header();
   TORCH_IPC_CHECK_VALUE(descriptor.size() <= kDescriptorBytes, "torch_ipc: a chunk's descriptor has ",
-                    descriptor.size(), " bytes, more than the ", kDescriptorBytes, " a KV pool has room for");
+                        descriptor.size(), " bytes, more than the ", kDescriptorBytes, " a KV pool has room for");
   Lock lock(*this);
-  const uint64_t first = h->num_blocks.load();
+  const uint64_t first = num_blocks();
   const uint32_t index = h->num_chunks.load();
-  TORCH_IPC_CHECK_VALUE(count >= 1 && count <= h->max_blocks - first, "torch_ipc: the KV pool has ", first, " of at most ",
-                    h->max_blocks, " blocks; it cannot grow by ", count, " (max_blocks is set at creation)");
+  TORCH_IPC_CHECK_VALUE(count >= 1 && count <= geometry_.max_blocks - first, "torch_ipc: the KV pool has ", first,
+                        " of at most ", geometry_.max_blocks, " blocks; it cannot grow by ", count,
+                        " (max_blocks is set at creation)");
   TORCH_IPC_CHECK_VALUE(index < kMaxChunks, "torch_ipc: the KV pool already has ", kMaxChunks,
-                    " chunks, the most it has room for");
-  ChunkEntry& c = h->chunks[index];
+                        " chunks, the most it has room for");
+  PoolChunkEntry& c = h->chunks[index];
   c.first = first;
   c.count = count;
   c.descriptor_bytes = static_cast<uint32_t>(descriptor.size());
   std::memcpy(c.descriptor, descriptor.data(), descriptor.size());
   h->num_chunks.store(index + 1);  // the commit point (rebuild_locked derives num_blocks from it)
-  uint32_t* stack = free_stack(h);
+  uint32_t* stack = free_stack();
   uint64_t n_free = h->free_count.load();
-  for (uint64_t id = first + count; id-- > first;) stack[n_free++] = static_cast<uint32_t>(id);
+  for (uint64_t id = first + count; id-- > first;) push_free(stack, n_free, id);
   h->free_count.store(n_free);
   h->num_blocks.store(first + count);
 }
@@ -453,16 +466,15 @@ void BlockAllocator::stall_mid_operation_for_tests() {
 }
 
 std::vector<PoolChunk> BlockAllocator::chunks(size_t from) const {
-  Header* h = header();
+  const PoolHeader* h = header();
   Lock lock(*this);
   std::vector<PoolChunk> out;
-  const uint32_t n = h->num_chunks.load();
-  if (n > kMaxChunks) throw DescriptorError("torch_ipc: KV pool " + name() + " has a corrupted chunk table");
-  for (size_t i = from; i < n; ++i) {
-    const ChunkEntry& c = h->chunks[i];
-    if (c.descriptor_bytes > kDescriptorBytes)
-      throw DescriptorError("torch_ipc: KV pool " + name() + " has a corrupted chunk table");
-    out.push_back(PoolChunk{c.first, c.count, std::string(c.descriptor, c.descriptor_bytes)});
+  const uint32_t n = h->num_chunks.load();  // checked by the lock: at most kMaxChunks
+  for (size_t i = from; i < std::min(n, kMaxChunks); ++i) {
+    const PoolChunkEntry& c = h->chunks[i];
+    const uint32_t bytes = c.descriptor_bytes;
+    if (bytes > kDescriptorBytes) corrupted(str("chunk ", i, " has a descriptor of ", bytes, " bytes"));
+    out.push_back(PoolChunk{c.first, c.count, std::string(c.descriptor, bytes)});
   }
   return out;
 }

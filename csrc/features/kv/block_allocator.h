@@ -8,18 +8,11 @@
 #include <vector>
 
 #include "base/ids.h"
+#include "features/kv/pool_segment.h"
 #include "os/process.h"
 #include "os/shm.h"
 
 namespace torch_ipc {
-
-// What every block of a pool is: its shape and dtype (c10::ScalarType).
-constexpr int kMaxBlockDims = 8;
-struct BlockLayout {
-  std::vector<int64_t> shape;
-  int32_t dtype = 0;
-  uint64_t block_bytes = 0;
-};
 
 // Memory of a range of block ids [first, first + count): one allocation,
 // reached through the torch_ipc descriptor its creator exported.
@@ -36,21 +29,25 @@ struct PoolHolder {
 };
 
 // Hidden, like the pybind11 type that binds it (csrc/python/).
+// Every value it reads from the segment is checked before use (Note [nothing
+// trusted from the pool's segment] in pool_segment.h): an inconsistency throws
+// PoolCorrupted, a lock held past lock_timeout() OsError(ETIMEDOUT).
 class __attribute__((visibility("hidden"))) BlockAllocator {
  public:
-  struct Header;  // the segment's layout (block_allocator.cpp)
-  // Most processes attached at once, most chunks of one pool, and the room
-  // for one chunk's descriptor.
-  static constexpr uint32_t kMaxProcesses = 128;
-  static constexpr uint32_t kMaxChunks = 64;
-  static constexpr uint32_t kDescriptorBytes = 2048;
-  static constexpr uint64_t kMaxBlocks = uint64_t(1) << 31;
+  static constexpr uint32_t kMaxProcesses = kPoolMaxProcesses;
+  static constexpr uint32_t kMaxChunks = kPoolMaxChunks;
+  static constexpr uint32_t kDescriptorBytes = kPoolDescriptorBytes;
+  static constexpr uint64_t kMaxBlocks = kPoolMaxBlocks;
+  static constexpr double kDefaultLockTimeout = 10.0;  // seconds (Note [the pool's lock] in pool_lock.h)
 
   // A new segment with room for max_blocks blocks (none committed yet; see
   // add_chunk); this process is attached.
   static std::unique_ptr<BlockAllocator> create(const BlockLayout& layout, uint64_t max_blocks);
-  // Attach to an existing segment. ProducerGone when the name is gone and
-  // its creator exited, DescriptorError when it is not a pool's segment.
+  // Attach to an existing segment, made by the process its name names (Note
+  // [names]); `creator`, when not zero, must be that process. ProducerGone
+  // when the name is gone and its creator exited, Released when it was closed
+  // or the file there is not the creator's (Note [segment identity] in
+  // os/shm.h), DescriptorError when it is not a pool's segment.
   static std::unique_ptr<BlockAllocator> attach(const std::string& name, const ProcessId& creator);
   // Detach: give back every block this process holds and free its process
   // slot. Idempotent; the destructor detaches if this was not called.
@@ -60,11 +57,14 @@ class __attribute__((visibility("hidden"))) BlockAllocator {
   BlockAllocator& operator=(const BlockAllocator&) = delete;
 
   const std::string& name() const { return shm_->name(); }
-  BlockLayout layout() const;
+  const BlockLayout& layout() const { return geometry_.layout; }
   uint64_t num_blocks() const;  // committed (grows with add_chunk)
-  uint64_t max_blocks() const;
+  uint64_t max_blocks() const { return geometry_.max_blocks; }
   uint64_t free_blocks() const;
   uint32_t slot() const { return slot_; }
+  // Seconds an operation waits for the lock before OsError(ETIMEDOUT).
+  double lock_timeout() const { return lock_timeout_; }
+  void set_lock_timeout(double seconds);
 
   // n free block ids, now held by this process; empty when fewer than n are
   // free even after reclaiming dead holders' blocks.
@@ -77,8 +77,9 @@ class __attribute__((visibility("hidden"))) BlockAllocator {
   // Take over blocks that `from` (attached in slot from_slot) holds: how a
   // hand-over moves them to the reader. All or nothing, errors as free().
   void take_over(const int64_t* ids, size_t n, uint32_t from_slot, const ProcessId& from);
-  // Return the blocks of holders that exited; how many came back.
-  uint64_t reclaim_dead();
+  // Return the blocks of holders that exited; how many came back. With
+  // `wait` false, nothing is done (0) when the lock is busy now.
+  uint64_t reclaim_dead(bool wait = true);
   // The holder of one block (pid 0: free), and every attached process.
   ProcessId holder_of(int64_t id) const;
   std::vector<PoolHolder> holders() const;
@@ -94,20 +95,36 @@ class __attribute__((visibility("hidden"))) BlockAllocator {
   [[noreturn]] void stall_mid_operation_for_tests();
   // Remove the segment's name (the creator, at close); mappings stay valid.
   void unlink() { shm_->unlink(); }
+  // Tests only: (name, (offset, bytes)) of each shared field in the segment's file.
+  std::vector<std::pair<std::string, std::pair<size_t, size_t>>> field_offsets() const {
+    return pool_field_offsets(geometry_.max_blocks);
+  }
 
  private:
   class Lock;
-  BlockAllocator(std::unique_ptr<ShmMapping> shm);
-  Header* header() const;
+  BlockAllocator(std::unique_ptr<ShmMapping> shm, PoolGeometry geometry);
+  PoolHeader* header() const { return static_cast<PoolHeader*>(shm_->data()); }
+  uint32_t* holder_table() const { return reinterpret_cast<uint32_t*>(header() + 1); }
+  uint32_t* free_stack() const { return holder_table() + geometry_.max_blocks; }
+  [[noreturn]] void corrupted(const std::string& what) const { throw_pool_corrupted(name(), what); }
   void register_self();
   void check_attached() const;
+  uint64_t committed_by_chunks_locked() const;
+  void check_locked() const;
+  uint64_t checked_count(uint64_t value, uint64_t bound, const char* what) const;
+  uint32_t holder_slot(uint32_t word, uint64_t id) const;
+  void push_free(uint32_t* stack, uint64_t& n_free, uint64_t id) const;
   void rebuild_locked();
   uint64_t reclaim_dead_locked();
   void release_slot_locked(uint32_t slot);
   void check_ids_locked(const int64_t* ids, size_t n, uint32_t holder, const char* what) const;
+  void take_from_slot_locked(uint32_t slot, uint64_t n);
 
   std::unique_ptr<ShmMapping> shm_;
+  PoolGeometry geometry_;  // this process's copy, never read again from the segment
+  double lock_timeout_ = kDefaultLockTimeout;
   uint32_t slot_ = 0;
+  bool registered_ = false;
   bool detached_ = false;
   MadeHere made_here_;  // a forked child uses the pool through an attachment of its own
 };
