@@ -19,13 +19,27 @@ travels as JSON, never pickle: a process group is not authenticated.
 """
 
 import json
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["Transport", "MAX_MESSAGE_BYTES"]
+__all__ = ["Transport", "MAX_MESSAGE_BYTES", "dtype_from_name"]
 
 MAX_MESSAGE_BYTES = 64 << 20  # a JSON message longer than this is refused before allocating
+
+_DTYPES: Dict[str, torch.dtype] = {
+    str(d): d for d in (getattr(torch, n, None) for n in (
+        "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+        "float8_e5m2fnuz", "complex64", "complex128", "int64", "int32", "int16", "int8", "uint8", "bool",
+        "uint16", "uint32", "uint64"))
+    if isinstance(d, torch.dtype)
+}
+
+
+def dtype_from_name(name: Any) -> Optional[torch.dtype]:
+    """The dtype that ``str(dtype)`` names (``"torch.bfloat16"``), or None:
+    how a dtype read from a peer's JSON becomes a dtype, from a fixed list."""
+    return _DTYPES.get(name) if isinstance(name, str) else None
 
 
 def _dist():

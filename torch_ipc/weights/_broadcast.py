@@ -8,21 +8,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .._dist import Transport
+from .._dist import Transport, dtype_from_name
 from ._layout import Layout
 
 MAGIC = 0x7769_7265_6C61_7901  # "wirelay" and message version 1
 VERSION, CLOSE = 1, 2  # header kinds
 HEADER_WORDS = 4  # MAGIC, kind, version, total bytes
-
-_DTYPES: Dict[str, torch.dtype] = {
-    str(d): d for d in (getattr(torch, n, None) for n in (
-        "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-        "float8_e5m2fnuz", "complex64", "complex128", "int64", "int32", "int16", "int8", "uint8", "bool",
-        "uint16", "uint32", "uint64"))
-    if isinstance(d, torch.dtype)
-}
-
 
 def layout_message(layout: Layout, bucket_bytes: int, device: torch.device, version: int) -> Dict[str, Any]:
     return {"kind": "torch_ipc.weights.layout/1", "bucket_bytes": bucket_bytes, "device": device.type,
@@ -47,7 +38,7 @@ def layout_from_message(message: Any) -> Tuple[Layout, int, str, int]:
     named, seen = [], set()
     for item in entries:
         if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
-                and item[1] in _DTYPES and isinstance(item[2], list)
+                and dtype_from_name(item[1]) is not None and isinstance(item[2], list)
                 and all(type(s) is int and 0 <= s < 2**48 for s in item[2])):
             raise _bad(f"entry {str(item)[:200]}")
         if item[0] in seen:
@@ -55,7 +46,7 @@ def layout_from_message(message: Any) -> Tuple[Layout, int, str, int]:
         seen.add(item[0])
         if math.prod(item[2]) >= 2**48:
             raise _bad(f"{item[0]!r} is too large")
-        named.append((item[0], _DTYPES[item[1]], tuple(item[2])))
+        named.append((item[0], dtype_from_name(item[1]), tuple(item[2])))
     layout = Layout.build(named)
     if layout.total_bytes != message.get("total_bytes"):
         raise _bad(f"{message.get('total_bytes')!r} bytes announced, {layout.total_bytes} in its entries")
