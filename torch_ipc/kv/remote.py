@@ -39,6 +39,7 @@ __all__ = ["send_blocks", "recv_blocks", "RemoteHandover"]
 
 _KIND = "torch_ipc.kv.blocks/1"
 DEFAULT_STAGING_BYTES = 64 << 20
+MAX_PIECE_BYTES = 1 << 30  # a receiver stages at most this much per piece, whatever a sender announces
 
 
 class RemoteHandover(NamedTuple):
@@ -94,7 +95,7 @@ def send_blocks(
         raise ValueError(f"torch_ipc: cannot send block {not_held[0]}: this process does not hold it")
     transport = Transport(group)
     transport.check_device(pool.chunks[0] if pool.chunks else pool.block(ids[0]))
-    piece = max(1, int(staging_bytes) // pool.block_bytes)
+    piece = max(1, min(len(ids), int(staging_bytes) // pool.block_bytes))
     header = {"kind": _KIND, "n": len(ids), "piece": piece, "shape": list(pool.block_shape),
               "dtype": str(pool.dtype), "meta": meta}
     try:
@@ -126,13 +127,15 @@ def _check_header(pool: SharedKVPool, header: Any) -> Tuple[int, int, int, Optio
     if not isinstance(header, dict) or header.get("kind") != _KIND:
         raise ValueError("torch_ipc: recv_blocks() got something that is not a KV blocks header")
     n, piece, shape, dtype = header.get("n"), header.get("piece"), header.get("shape"), header.get("dtype")
-    if type(n) is not int or type(piece) is not int or not 0 < piece <= n or n > pool.max_blocks:
-        raise ValueError(f"torch_ipc: a KV blocks header with n={n!r}, piece={piece!r} for a pool of "
-                         f"at most {pool.max_blocks} blocks; the pair is out of step")
+    if type(n) is not int or type(piece) is not int or not 0 < piece <= n < 2**40:
+        raise ValueError(f"torch_ipc: a KV blocks header with n={n!r}, piece={piece!r}; the pair is out of step")
     if not (isinstance(shape, list) and all(type(d) is int and 0 <= d < 2**40 for d in shape)
             and dtype_from_name(dtype) is not None):
         raise ValueError(f"torch_ipc: a KV blocks header with shape {shape!r}, dtype {dtype!r}")
     block_bytes = math.prod(shape) * torch.empty(0, dtype=dtype_from_name(dtype)).element_size()
+    if piece * block_bytes > max(MAX_PIECE_BYTES, pool.block_bytes):
+        raise ValueError(f"torch_ipc: the sender's pieces of {piece * block_bytes} bytes are over "
+                         f"{MAX_PIECE_BYTES}; the pair is out of step")
     if shape != list(pool.block_shape) or dtype != str(pool.dtype):
         return n, piece, block_bytes, (f"the sender's blocks are {dtype} of shape {tuple(shape)}, "
                                        f"this pool's {pool.dtype} of shape {pool.block_shape}")
@@ -196,12 +199,8 @@ def _receive_pieces(transport: Transport, pool: SharedKVPool, ids: List[int], pi
 
 
 def _drain(transport: Transport, pool: SharedKVPool, total: int, piece: int, src: int) -> None:
-    """Receive and drop the `total` bytes, in pieces of `piece`, that a
-    sender sends and this pool cannot take; at most this pool's own size in
-    bytes (more, and the pair cannot be kept in step)."""
-    if total > pool.max_blocks * pool.block_bytes:
-        raise ValueError(f"torch_ipc: the sender sends {total} bytes, more than this KV pool holds; "
-                         "the pair is out of step")
+    """Receive and drop the `total` bytes, in pieces of `piece` (checked in
+    _check_header), that a sender sends and this pool cannot take."""
     scratch = torch.empty(piece, dtype=torch.uint8, device=pool.device)
     for lo in range(0, total, piece):
         transport.recv(scratch[: min(piece, total - lo)], src).wait()
