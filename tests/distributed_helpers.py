@@ -6,7 +6,7 @@ import datetime
 import os
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist

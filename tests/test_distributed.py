@@ -3,7 +3,6 @@ another node's pool, over torch.distributed. Each node is a separate process
 (gloo over this machine's loopback); every process is a Peer of a PeerGroup,
 killed with its group when the test ends or times out."""
 
-import os
 import signal
 
 import pytest
@@ -250,40 +249,46 @@ def test_kv_send_checks_its_arguments_before_sending(tmp_path):
 
 # ----------------------------------------------------------------------------- GPU variants
 
-@pytest.mark.cuda
-def test_cuda_weights_relayed_over_gloo_on_one_gpu():
+def _cuda_relay_round_trip(trainer, relay, sub, backend: str, last: int, seed: int) -> None:
+    """Versions 1..last from `trainer` through `relay` to `sub`, CUDA tensors, bit for bit."""
+    url, (address, key) = dh.group_url(), wh.listener_address()
+    trainer.start_call(dh.trainer_start, url, 2, device="cuda", backend=backend)
+    relay.call(dh.relay_start, url, 1, 2, address, key, backend=backend)
+    relay.start_call(dh.relay_serve)
+    expected = trainer.result()
+    sub.call(wh.sub_attach, address, key, device="cuda", big=3000)
+    sub.start_call(dh.sub_pull_versions, last)
+    expected.update(trainer.call(dh.trainer_publish, last - 1, seed=seed))
+    seen = sub.result()
+    assert max(seen) == last and all(seen[v] == expected[v]["float32"] for v in seen)
+    trainer.call(dh.trainer_close)
+    assert relay.result() == last
+    relay.call(dh.relay_close)
+
+
+def _cuda_kv_round_trip(sender, receiver, backend: str, seed: int) -> None:
+    """16 blocks, in an order that is partly consecutive, between two CUDA pools."""
     url = dh.group_url()
-    with PeerGroup(timeout=TIMEOUT) as group:
-        trainer = group.get("trainer")
-        trainer.start_call(dh.trainer_start, url, 2, device="cuda")
-        address, key = wh.listener_address()
-        relay = group.get("relay")
-        relay.call(dh.relay_start, url, 1, 2, address, key)
-        relay.start_call(dh.relay_serve)
-        expected = trainer.result()
-        sub = group.get("sub")
-        sub.call(wh.sub_attach, address, key, device="cuda", big=3000)
-        sub.start_call(dh.sub_pull_versions, 4)
-        expected.update(trainer.call(dh.trainer_publish, 3, seed=11))
-        seen = sub.result()
-        assert max(seen) == 4 and all(seen[v] == expected[v]["float32"] for v in seen)
-        trainer.call(dh.trainer_close)
-        assert relay.result() == 4
+    sender.start_call(dh.kv_start, url, 0, 2, 32, SHAPE, DTYPE, "cuda", backend=backend)
+    receiver.call(dh.kv_start, url, 1, 2, 32, SHAPE, DTYPE, "cuda", backend=backend)
+    sender.result()
+    ids, data = sender.call(dh.kv_write, 16, seed=seed)
+    order = [i for i in ids if i % 3] + [i for i in ids if not i % 3]
+    receiver.start_call(dh.kv_recv, 0)
+    sender.call(dh.kv_send, order, 1, staging_bytes=4096)
+    got = receiver.result()
+    row = len(data) // len(ids)
+    assert got["bytes"] == b"".join(data[ids.index(i) * row : (ids.index(i) + 1) * row] for i in order)
+    for peer in (sender, receiver):
+        peer.call(dh.kv_close)
 
 
 @pytest.mark.cuda
-def test_cuda_kv_blocks_over_gloo_on_one_gpu():
-    url = dh.group_url()
+def test_cuda_weights_and_kv_blocks_over_gloo_on_one_gpu():
     with PeerGroup(timeout=TIMEOUT) as group:
-        prefill, decode = group.get("prefill"), group.get("decode")
-        prefill.start_call(dh.kv_start, url, 0, 2, 32, SHAPE, DTYPE, "cuda")
-        decode.call(dh.kv_start, url, 1, 2, 32, SHAPE, DTYPE, "cuda")
-        prefill.result()
-        ids, data = prefill.call(dh.kv_write, 12, seed=6)
-        decode.start_call(dh.kv_recv, 0)
-        prefill.call(dh.kv_send, ids, 1, staging_bytes=4096)
-        got = decode.result()
-        assert got["bytes"] == data and len(got["ids"]) == 12
+        trainer, relay, sub = group.get("trainer"), group.get("relay"), group.get("sub")
+        _cuda_relay_round_trip(trainer, relay, sub, "gloo", last=4, seed=11)
+        _cuda_kv_round_trip(trainer, relay, "gloo", seed=6)
 
 
 @pytest.mark.gpus(2)
@@ -291,33 +296,9 @@ def test_nccl_weights_and_kv_blocks_on_two_gpus():
     """One GPU per process (NCCL needs distinct devices): a trainer on GPU 0,
     a relay and its subscriber on GPU 1; then KV blocks from GPU 0's pool to
     GPU 1's."""
-    url = dh.group_url()
     with PeerGroup(timeout=TIMEOUT) as group:
         trainer = group.get("trainer", env={"CUDA_VISIBLE_DEVICES": "0"})
         relay = group.get("relay", env={"CUDA_VISIBLE_DEVICES": "1"})
         sub = group.get("sub", env={"CUDA_VISIBLE_DEVICES": "1"})
-        trainer.start_call(dh.trainer_start, url, 2, device="cuda", backend="nccl")
-        address, key = wh.listener_address()
-        relay.call(dh.relay_start, url, 1, 2, address, key, backend="nccl")
-        relay.start_call(dh.relay_serve)
-        expected = trainer.result()
-        sub.call(wh.sub_attach, address, key, device="cuda", big=3000)
-        sub.start_call(dh.sub_pull_versions, 3)
-        expected.update(trainer.call(dh.trainer_publish, 2, seed=12))
-        seen = sub.result()
-        assert max(seen) == 3 and all(seen[v] == expected[v]["float32"] for v in seen)
-        trainer.call(dh.trainer_close)
-        assert relay.result() == 3
-        relay.call(dh.relay_close)
-
-        url = dh.group_url()
-        trainer.start_call(dh.kv_start, url, 0, 2, 32, SHAPE, DTYPE, "cuda", backend="nccl")
-        relay.call(dh.kv_start, url, 1, 2, 32, SHAPE, DTYPE, "cuda", backend="nccl")
-        trainer.result()
-        ids, data = trainer.call(dh.kv_write, 16, seed=13)
-        relay.start_call(dh.kv_recv, 0)
-        trainer.call(dh.kv_send, [i for i in ids if i % 3] + [i for i in ids if not i % 3], 1, staging_bytes=4096)
-        got = relay.result()
-        row = len(data) // len(ids)
-        order = [i for i in ids if i % 3] + [i for i in ids if not i % 3]
-        assert got["bytes"] == b"".join(data[ids.index(i) * row : (ids.index(i) + 1) * row] for i in order)
+        _cuda_relay_round_trip(trainer, relay, sub, "nccl", last=3, seed=12)
+        _cuda_kv_round_trip(trainer, relay, "nccl", seed=13)

@@ -165,7 +165,9 @@ class Relay:
 
     @property
     def subscribers(self) -> int:
-        return self._publisher.subscribers if self._publisher else 0
+        """Subscribers attached on this node and alive."""
+        with self._lock:
+            return self._publisher.subscribers if self._publisher else 0
 
     # ---------------------------------------------------------------- versions
 
