@@ -197,11 +197,11 @@ def test_kv_send_without_transfer_keeps_the_blocks_and_refusals_keep_the_pair_in
         refused = decode.result()
         assert refused["error"] == "OutOfBlocksError" and refused["held"] == [] and refused["free"] == 8
         assert sorted(sender["held"]) == sorted(ids)  # transfer=False: still the sender's
-        # the pair is still in step: the next hand-over goes through
+        # the pair is still in step: the next hand-over goes through (a meta longer than the first message)
         decode.start_call(dh.kv_recv, 0)
-        prefill.call(dh.kv_send, ids[:4], 1, meta=None)
+        prefill.call(dh.kv_send, ids[:4], 1, meta={"tokens": list(range(3000))})
         got = decode.result()
-        assert len(got["ids"]) == 4 and got["meta"] is None
+        assert len(got["ids"]) == 4 and got["meta"] == {"tokens": list(range(3000))}
         with pytest.raises(Exception, match="does not hold"):
             prefill.call(dh.kv_send, ids[:4], 1)  # given away above
         for peer in (prefill, decode):

@@ -97,14 +97,6 @@ class Transport:
         self.broadcast(t, src).wait()
         return list(values) if self.rank == src else t.tolist()  # the sender does not wait for the GPU
 
-    def send_ints(self, values: List[int], dst: int) -> None:
-        self.send(self._int64s(values), dst).wait()
-
-    def recv_ints(self, n: int, src: int) -> List[int]:
-        t = self._int64s([0] * n)
-        self.recv(t, src).wait()
-        return t.tolist()
-
     def _encode(self, obj: Any) -> torch.Tensor:
         data = json.dumps(obj, separators=(",", ":")).encode()
         if len(data) > MAX_MESSAGE_BYTES:
@@ -133,13 +125,27 @@ class Transport:
         self.broadcast(data, src).wait()
         return obj if self.rank == src else self._decode(data)
 
+    # One message of FIRST_BYTES carries the length and the start of a JSON
+    # message (all of a small one: one round trip, not two); the rest follows.
+    FIRST_BYTES = 4096
+
     def send_json(self, obj: Any, dst: int) -> None:
         data = self._encode(obj)
-        self.send_ints([data.numel()], dst)
-        self.send(data, dst).wait()
+        n, room = data.numel(), self.FIRST_BYTES - 8
+        first = torch.zeros(self.FIRST_BYTES, dtype=torch.uint8, device=data.device)
+        first[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8).to(data.device)
+        first[8 : 8 + min(n, room)] = data[:room]
+        self.send(first, dst).wait()
+        if n > room:
+            self.send(data[room:], dst).wait()
 
     def recv_json(self, src: int) -> Any:
-        (n,) = self.recv_ints(1, src)
-        data = self._buffer(n)
-        self.recv(data, src).wait()
+        first = torch.empty(self.FIRST_BYTES, dtype=torch.uint8, device=self.small_device())
+        self.recv(first, src).wait()
+        first = first.cpu()
+        (n,) = first[:8].view(torch.int64).tolist()
+        data, room = self._buffer(n), self.FIRST_BYTES - 8
+        data[: min(n, room)] = first[8 : 8 + min(n, room)].to(data.device)
+        if n > room:
+            self.recv(data[room:], src).wait()
         return self._decode(data)
