@@ -11,7 +11,8 @@ lowest first:
   memory    pool (SharedPool), ipc_event: kinds of memory and events
   core      _serialize: dumps/loads, the one crossing into _C's export/load;
             _export: export() -> Export, revocable
-  mp        mp/: the multiprocessing adapters (reductions, channels, connection)
+  mp        mp/: the multiprocessing adapters (reductions, channels, connection);
+            _dist: the one module that calls torch.distributed (other nodes)
   features  kv/, weights/: one feature each, never importing another
   tools     testing/, doctor: built on the package, used by nobody in it
   package   __init__, __main__: the names users import
@@ -29,7 +30,7 @@ LAYERS = [
     ("runtime", ["_runtime"]),
     ("memory", ["pool", "ipc_event"]),
     ("core", ["_serialize", "_export"]),
-    ("mp", ["mp"]),
+    ("mp", ["mp", "_dist"]),
     ("features", ["kv", "weights"]),
     ("tools", ["testing", "doctor"]),
     ("package", ["", "__main__"]),

@@ -7,11 +7,13 @@ each new version at memory speed.
     >>> opt.step(); pub.publish()                  # sub.pull(into=model)    # doctest: +SKIP
 
 See the README section "Sharing weights between a trainer and an inference
-engine" and Note [weights consistency protocol] in _control.py.
+engine" and Note [weights consistency protocol] in _control.py; for other
+nodes, "Across machines" and Note [relaying weights to other nodes] in relay.py.
 """
 
-from ._errors import PublisherGoneError, WeightsMismatchError
+from ._errors import BroadcastError, PublisherGoneError, WeightsMismatchError
 from .publisher import Publisher
+from .relay import Relay
 from .subscriber import Subscriber
 
-__all__ = ["Publisher", "Subscriber", "PublisherGoneError", "WeightsMismatchError"]
+__all__ = ["Publisher", "Subscriber", "Relay", "PublisherGoneError", "WeightsMismatchError", "BroadcastError"]

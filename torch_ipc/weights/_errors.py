@@ -2,7 +2,7 @@
 
 from ..errors import ProducerGoneError
 
-__all__ = ["WeightsMismatchError", "PublisherGoneError"]
+__all__ = ["WeightsMismatchError", "PublisherGoneError", "BroadcastError"]
 
 
 class WeightsMismatchError(ValueError):
@@ -23,3 +23,9 @@ class WeightsMismatchError(ValueError):
 
 class PublisherGoneError(ProducerGoneError):
     """The publishing process exited and no new publisher has attached."""
+
+
+class BroadcastError(RuntimeError):
+    """A version was published on the trainer's node but its broadcast to the
+    relays of other nodes failed (a relay died, the group broke). Later
+    versions stay local until ``Publisher.broadcast_to`` gets a new group."""

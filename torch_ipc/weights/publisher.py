@@ -67,9 +67,22 @@ class Publisher:
             if bad:
                 raise ValueError(f"torch_ipc.weights: bucketed mode needs contiguous tensors; these are not: {bad}")
         self.timeout = timeout
-        self.layout = Layout.build(
-            [(n, dtype or t.dtype, tuple(t.shape)) for n, t in tensors.items()], bucket_bytes or 0
-        )
+        layout = Layout.build([(n, dtype or t.dtype, tuple(t.shape)) for n, t in tensors.items()], bucket_bytes or 0)
+        self._setup(layout, tensors, max_subscribers)
+
+    @classmethod
+    def _for_layout(cls, layout: Layout, device: torch.device, *, max_subscribers: int,
+                    timeout: float) -> "Publisher":
+        """A publisher of `layout` with no source tensors: whoever makes it
+        fills the buffer through _publish_direct/_publish_bucketed's `fill`
+        (a weights Relay)."""
+        self = cls.__new__(cls)
+        self.device, self.timeout = device, timeout
+        self._setup(layout, None, max_subscribers)
+        return self
+
+    def _setup(self, layout: Layout, tensors: Optional[Dict[str, torch.Tensor]], max_subscribers: int) -> None:
+        self.layout = layout
         self._tensors = tensors
         self._buffer = self._new_buffer(self.layout.buffer_bytes)
         self._block = ctl.new_block(max_subscribers)
@@ -79,6 +92,7 @@ class Publisher:
         self.version = 0
         self._bucket_seq = 0
         self._closed = False
+        self._broadcaster = None  # Note [relaying weights to other nodes] in relay.py
         if self.layout.bucket_bytes:
             self._publish_event = None
             self._staging_events = (new_event(self.device), new_event(self.device))
@@ -87,7 +101,7 @@ class Publisher:
         else:
             self._publish_event = new_event(self.device)
             self._staging_events = ()
-            self._snapshot = BatchedCopy(
+            self._snapshot = None if tensors is None else BatchedCopy(
                 [(t, typed_view(self._buffer, e.offset, e.dtype, e.numel).view(t.shape))
                  for e, t in zip(self.layout.entries, tensors.values())]
             )
@@ -160,9 +174,13 @@ class Publisher:
         version = self._publish_bucketed(deadline) if self.layout.bucket_bytes else self._publish_direct(deadline)
         self.stats["publishes"] += 1
         self.stats["last_publish_us"] = (time.perf_counter() - start) * 1e6
+        if self._broadcaster is not None:
+            self._broadcast(version)
         return version
 
-    def _publish_direct(self, deadline: float) -> int:
+    def _publish_direct(self, deadline: float, fill=None, version: Optional[int] = None) -> int:
+        """`fill()` writes the snapshot instead of the copy from the source
+        tensors, `version` replaces version + 1 (both: a weights Relay)."""
         c = self._counters
         c.store(ctl.WRITING, 1)
         try:
@@ -172,18 +190,25 @@ class Publisher:
                 done = self._done.get(slot)
                 if done and done[0] is not None:
                     done[0].wait()  # the snapshot write waits for its last pull, on the GPU
-            self._snapshot.run()
-            if self._publish_event is not None:
-                self._publish_event.record()
-            self.version += 1
-            c.store(ctl.PUBLISHED, self.version)
-        finally:
-            c.store(ctl.WRITING, 0)
+        except BaseException:
+            c.store(ctl.WRITING, 0)  # nothing written yet
+            raise
+        # Note [a torn snapshot stays unpublished]: a fill that fails half way
+        # (a relay's broadcast cut off) leaves WRITING set, so no pull reads the
+        # mixed bytes; the next complete publish clears it.
+        (fill or self._snapshot.run)()
+        if self._publish_event is not None:
+            self._publish_event.record()
+        self.version = self.version + 1 if version is None else version
+        c.store(ctl.PUBLISHED, self.version)
+        c.store(ctl.WRITING, 0)
         return self.version
 
-    def _publish_bucketed(self, deadline: float) -> int:
+    def _publish_bucketed(self, deadline: float, fill=None, version: Optional[int] = None) -> int:
+        """`fill(bucket, half)` fills a staging half instead of the copy from
+        the source tensors (a weights Relay); `version` replaces version + 1."""
         c = self._counters
-        base, version = self._bucket_seq, self.version + 1
+        base, version = self._bucket_seq, self.version + 1 if version is None else version
         members = 0
         for slot in list(self._done):
             self._reap(slot)
@@ -205,7 +230,10 @@ class Publisher:
                 done = self._done.get(slot)
                 if done and done[half] is not None:
                     done[half].wait()
-            self._pack(k, half).run()
+            if fill is None:
+                self._pack(k, half).run()
+            else:
+                fill(k, half)
             if self._staging_events[half] is not None:
                 self._staging_events[half].record()
             c.store(ctl.BUCKET_SEQ, seq)
@@ -228,6 +256,40 @@ class Publisher:
             self.stats["path"] = self._packs[key].path
         return self._packs[key]
 
+    # ---------------------------------------------------------------- other nodes
+
+    def broadcast_to(self, group=None, *, src: Optional[int] = None, bucket_bytes: int = 64 << 20) -> None:
+        """Also send every version from now on to the :class:`Relay` of each
+        other node in the ``torch.distributed`` process ``group`` (None: the
+        default group); ``src``: this process's global rank (default). A
+        collective: every relay of the group constructs its ``Relay`` (or
+        calls ``rejoin``) meanwhile. Each ``publish()`` then broadcasts the
+        snapshot in ``bucket_bytes`` pieces after publishing it here; a
+        broadcast that fails raises :class:`BroadcastError` and later
+        publishes stay local until ``broadcast_to`` is called with a new
+        group. Direct mode only. See Note [relaying weights to other nodes]
+        in relay.py."""
+        self._check_open()
+        if self.layout.bucket_bytes:
+            raise ValueError("torch_ipc.weights: broadcast_to() needs a direct-mode Publisher "
+                             "(it broadcasts from the snapshot)")
+        from ._broadcast import Broadcaster
+
+        self._broadcaster = None
+        self._broadcaster = Broadcaster(self._buffer, self.layout, group, src, bucket_bytes, self.version)
+
+    def _broadcast(self, version: int) -> None:
+        from ._errors import BroadcastError
+
+        try:
+            self._broadcaster.send(version)
+        except Exception as e:
+            self._broadcaster = None
+            raise BroadcastError(
+                f"torch_ipc.weights: version {version} is published on this node but its broadcast to the "
+                f"relays failed ({type(e).__name__}: {e}); later versions stay local until broadcast_to() "
+                "is called with a new group") from e
+
     # ---------------------------------------------------------------- lifetime
 
     @property
@@ -249,6 +311,9 @@ class Publisher:
             return
         self._closed = True
         self._counters.store(ctl.PUBLISHER, 0)
+        broadcaster, self._broadcaster = self._broadcaster, None
+        if broadcaster is not None:
+            broadcaster.close()  # the relays' serve() returns
 
     def __enter__(self) -> "Publisher":
         return self
@@ -258,6 +323,7 @@ class Publisher:
 
     def __del__(self):
         try:
+            self._broadcaster = None  # no collective from a finalizer
             self.close()
         except Exception:
             pass

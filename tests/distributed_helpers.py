@@ -1,0 +1,216 @@
+"""Functions the cross-node tests run in child processes standing for nodes
+(a trainer, relays, subscribers, KV pools), over torch.distributed groups of
+gloo on this machine."""
+
+import datetime
+import os
+import tempfile
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from torch_ipc.weights import BroadcastError, Publisher, PublisherGoneError, Relay
+
+from weights_helpers import HELD, bits, make_weights
+
+STATE: Dict[str, object] = {}
+
+
+def group_url() -> str:
+    """A fresh file:// rendezvous for one group."""
+    return "file://" + os.path.join(tempfile.mkdtemp(prefix="torch_ipc_dist"), "rendezvous")
+
+
+def init_group(url: str, rank: int, world: int, backend: str = "gloo") -> None:
+    """Join the group at `url`, leaving the one joined before (a broken one)."""
+    leave_group()
+    dist.init_process_group(backend, init_method=url, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _expected(weights) -> Dict[str, Dict[str, bytes]]:
+    return {"float32": bits(weights), "bfloat16": bits({n: t.to(torch.bfloat16) for n, t in weights.items()})}
+
+
+# ----------------------------------------------------------------------------- trainer
+
+def trainer_start(url: str, world: int, device: str = "cpu", seed: int = 0, big: int = 3000,
+                  bucket_bytes: int = 2048, backend: str = "gloo") -> Dict[int, Dict[str, Dict[str, bytes]]]:
+    """Publish version 1 here, then join the group and broadcast it."""
+    init_group(url, 0, world, backend)
+    weights = make_weights(device, seed=seed, big=big)
+    pub = Publisher(weights)
+    STATE.update(pub=pub, weights=weights, bucket_bytes=bucket_bytes)
+    pub.publish()
+    pub.broadcast_to(bucket_bytes=bucket_bytes)
+    return {1: _expected(weights)}
+
+
+def trainer_publish(n: int, seed: int) -> Dict[int, Dict[str, Dict[str, bytes]]]:
+    """`n` more versions of fresh random values; the bytes of each."""
+    pub, weights = STATE["pub"], STATE["weights"]
+    gen, out = torch.Generator().manual_seed(seed), {}
+    for _ in range(n):
+        for t in weights.values():
+            t.copy_(torch.randn(t.shape, generator=gen))
+        version = pub.publish()
+        out[version] = _expected(weights)
+    return out
+
+
+def trainer_publish_into_a_broken_group(seed: int):
+    """Publish while a relay is dead: (version, the error's text, the bytes)."""
+    pub, weights = STATE["pub"], STATE["weights"]
+    gen = torch.Generator().manual_seed(seed)
+    for t in weights.values():
+        t.copy_(torch.randn(t.shape, generator=gen))
+    try:
+        pub.publish()
+    except BroadcastError as e:
+        leave_group()  # the survivors' receive fails at once
+        return pub.version, str(e), {pub.version: _expected(weights)}
+    raise AssertionError("publish() into a group with a dead relay did not raise BroadcastError")
+
+
+def trainer_rejoin(url: str, world: int) -> None:
+    init_group(url, 0, world)
+    STATE["pub"].broadcast_to(bucket_bytes=STATE["bucket_bytes"])
+
+
+def trainer_close() -> None:
+    STATE.pop("pub").close()  # the relays' serve() returns
+    leave_group()
+
+
+# ----------------------------------------------------------------------------- relay
+
+def relay_start(url: str, rank: int, world: int, address: str, authkey: bytes, bucketed: bool = False,
+                backend: str = "gloo") -> int:
+    init_group(url, rank, world, backend)
+    relay = Relay(src=0, bucketed=bucketed, timeout=30.0)
+    if os.path.exists(address):
+        os.unlink(address)  # the socket file of a relay killed before
+    relay.listen(address, authkey=authkey)
+    STATE["relay"] = relay
+    return os.getpid()
+
+
+def relay_serve():
+    """Serve until the trainer closes: the last version; or ("broken", the version kept)."""
+    relay = STATE["relay"]
+    try:
+        return relay.serve()
+    except BroadcastError:
+        return ("broken", relay.version)
+
+
+def relay_rejoin(url: str, rank: int, world: int) -> None:
+    init_group(url, rank, world)
+    STATE["relay"].rejoin(src=0)
+
+
+def relay_subscribers() -> int:
+    return STATE["relay"].subscribers
+
+
+def relay_close() -> None:
+    STATE.pop("relay").close()
+    leave_group()
+
+
+# ----------------------------------------------------------------------------- subscriber (after weights_helpers.sub_attach)
+
+def sub_pull_versions(last: int, timeout: float = 60.0) -> Dict[int, Dict[str, bytes]]:
+    """Pull until version `last`: the bytes of every version pulled."""
+    sub, model, seen = HELD["sub"], HELD["model"], {}
+    version = sub.version
+    while version < last:
+        version = sub.pull(model, newer_than=version, timeout=timeout)
+        seen[version] = bits(model)
+    return seen
+
+
+def sub_pull_gone() -> str:
+    """A pull after the relay died: the error's text; the model kept."""
+    try:
+        HELD["sub"].pull(HELD["model"], timeout=10.0)
+    except PublisherGoneError as e:
+        return str(e)
+    raise AssertionError("a pull from a dead relay did not raise PublisherGoneError")
+
+
+def sub_pull_reattached(newer_than: int, wait: float = 30.0):
+    """Pull once a restarted relay has reattached this subscriber:
+    (version, bytes, times reattached)."""
+    sub, model = HELD["sub"], HELD["model"]
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            version = sub.pull(model, newer_than=newer_than, timeout=wait)
+            return version, bits(model), sub.stats["reattached"]
+        except PublisherGoneError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+# ----------------------------------------------------------------------------- KV pools
+
+def kv_start(url: str, rank: int, world: int, num_blocks: int, block_shape, dtype, device: str = "cpu",
+             backend: str = "gloo") -> int:
+    from torch_ipc.kv import SharedKVPool
+
+    init_group(url, rank, world, backend)
+    STATE["pool"] = SharedKVPool(num_blocks, block_shape, dtype, device)
+    return os.getpid()
+
+
+def kv_write(ids_wanted: int, seed: int):
+    """Allocate and fill `ids_wanted` blocks: (ids, their bytes)."""
+    pool = STATE["pool"]
+    ids = pool.allocate(ids_wanted)
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randn((len(ids), *pool.block_shape), generator=gen).to(pool.dtype).to(pool.device)
+    pool.scatter(ids, data)
+    return ids, data.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def kv_send(ids: List[int], dst: int, meta=None, transfer: bool = True, staging_bytes: int = 1 << 20) -> dict:
+    from torch_ipc.kv.remote import send_blocks
+
+    pool = STATE["pool"]
+    send_blocks(pool, ids, dst, meta=meta, transfer=transfer, staging_bytes=staging_bytes)
+    if pool.device.type == "cuda":
+        torch.cuda.synchronize()
+        pool.reclaim()  # finishes the deferred frees
+    return {"held": pool.held(), "holders": {i: pool.holder_of(i) for i in ids}, "free": pool.free_blocks}
+
+
+def kv_recv(src: int) -> dict:
+    from torch_ipc.kv.remote import recv_blocks
+
+    pool = STATE["pool"]
+    try:
+        handover = recv_blocks(pool, src)
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e), "held": pool.held(), "free": pool.free_blocks}
+    data = pool.gather(handover.ids)
+    return {"ids": handover.ids, "meta": handover.meta, "src": handover.src, "pid": os.getpid(),
+            "bytes": data.cpu().contiguous().view(torch.uint8).numpy().tobytes(), "held": pool.held(),
+            "holders": {i: pool.holder_of(i) for i in handover.ids}}
+
+
+def kv_allocate(n: int) -> List[int]:
+    return STATE["pool"].allocate(n)
+
+
+def kv_close() -> None:
+    STATE.pop("pool").close()
+    leave_group()
