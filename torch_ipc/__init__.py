@@ -17,6 +17,7 @@ except ImportError as e:
 from .mp._reductions import init_reductions, reductions, restore_reductions
 from ._serialize import dumps, loads
 from .mp.connection import Client, Connection, Listener, connect, listen
+from .mp._ring import Pipe
 from .errors import (
     CudaError,
     CudaUnavailableError,
@@ -46,6 +47,7 @@ __all__ = [
     "Connection",
     "listen",
     "connect",
+    "Pipe",
     "SharedPool",
     "IpcEvent",
     "DescriptorError",

@@ -19,6 +19,7 @@ from multiprocessing import connection as mpc
 from typing import Any, List, Optional, Tuple, Union
 
 from .. import _C, _runtime, _serialize
+from . import _ring
 
 __all__ = ["Listener", "Client", "Connection", "listen", "connect"]
 
@@ -84,10 +85,12 @@ _runtime.on_collect(_check_peers)
 
 
 class Connection:
-    """One end of a torch_ipc connection: ``send(obj)``, ``recv()``, ``close()``."""
+    """One end of a torch_ipc connection: ``send(obj)``, ``recv()``, ``close()``.
+    Between two processes of one machine (a Unix socket) its messages go
+    through shared memory (Note [channel] in _ring.py)."""
 
-    def __init__(self, conn: mpc.Connection, peer_pid: int):
-        self._conn = conn
+    def __init__(self, conn: Any, peer_pid: int):
+        self._conn = conn  # the transport: an mpc.Connection, or a _ring.RingConnection
         self.peer_pid = peer_pid
         self._sent: List[_C.Export] = []  # what we sent that the peer may still load
         with _open_lock:
@@ -105,6 +108,14 @@ class Connection:
     def recv(self) -> Any:
         """Receive one message and rebuild it on the sender's memory."""
         return _serialize.loads(self._conn.recv_bytes())
+
+    def send_bytes(self, buf: Any, offset: int = 0, size: Optional[int] = None) -> None:
+        """Send raw bytes, as ``multiprocessing.connection.Connection.send_bytes``."""
+        self._conn.send_bytes(buf, offset, size)
+
+    def recv_bytes(self, maxlength: Optional[int] = None) -> bytes:
+        """Receive raw bytes, as ``multiprocessing.connection.Connection.recv_bytes``."""
+        return self._conn.recv_bytes(maxlength)
 
     def poll(self, timeout: Optional[float] = 0.0) -> bool:
         return self._conn.poll(timeout)
@@ -124,7 +135,7 @@ class Connection:
         if self._conn.closed or not self._sent:
             return False
         try:
-            sock = socket.socket(fileno=self._conn.fileno())
+            sock = socket.socket(fileno=getattr(self._conn, "socket_fileno", self._conn.fileno)())
         except OSError:  # not a socket (a pipe): only the peer's exit tells
             return False
         try:
@@ -297,7 +308,8 @@ class Listener:
                 raise OSError("torch_ipc: the listener is closed")
             conn = self._listener.accept()
             try:
-                return Connection(conn, _accept_handshake(conn, self.authkey, self.handshake_timeout))
+                pid = _accept_handshake(conn, self.authkey, self.handshake_timeout)
+                return Connection(_ring.accept_offer(conn, self.handshake_timeout), pid)
             except _HANDSHAKE_ERRORS as e:
                 conn.close()
                 warnings.warn(f"torch_ipc: refused a client: {_refusal(e, self.handshake_timeout)}", RuntimeWarning)
@@ -346,7 +358,8 @@ def Client(address: Address, family: Optional[str] = None, authkey: Optional[byt
     except OSError as e:
         raise _with_address(e, f"cannot connect to {address!r}",
                             "start the listener first, or check the address") from None
-    return Connection(conn, _exchange_pids(conn))
+    pid = _exchange_pids(conn)
+    return Connection(_ring.offer(conn), pid)
 
 
 def connect(address: Address, *, authkey: bytes) -> Connection:
