@@ -1,10 +1,12 @@
 #include "os/ring.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 
 #include "base/errors.h"
@@ -23,13 +25,25 @@ namespace torch_ipc {
 // kPeerCheckNs (Note [noticing a dead peer]).
 //
 // Note [spin budget]
-// Measured with benchmarks/channel_bench.py --spin on the 2-core CI machine
-// (64 B round trip through torch_ipc.Pipe, min of 5 runs of 2000, machine
-// shared with other builds; see the table in benchmarks/RESULTS.md):
-// TODO numbers. A round trip of two Python processes takes a few microseconds
-// of Python each side, so a reader that spins ~that long catches the reply
-// without a sleep; longer spins only burn a core the peer may need.
-//
+// Measured with benchmarks/channel_bench.py --quick --spin on the 2-core CI
+// machine (64 B round trip through torch_ipc.Pipe, paired batches; load
+// average ~17 from other builds), min / median us per round trip:
+//   spin 0: 9.9 / 23.7    2 us: 17.2 / 39.4    5 us: 19.9 / 55.6
+//   10 us: 31.8 / 83.1    20 us: 52.8 / 139.5  100 us: 382 / 568
+//   (multiprocessing.Pipe in the same run: 32.3 / 51.1)
+// Where cores are scarce, a spinning waiter takes the core its peer needs to
+// answer: every microsecond of spin costs more than the futex wake it saves.
+// Where they are not, a futex wake costs a few microseconds each way, which a
+// spin of a Python round trip's length (~20 us) avoids. So the default is 0
+// on a process allowed fewer than 4 CPUs and 20 us otherwise;
+// TORCH_IPC_CHANNEL_SPIN_US overrides it.
+// After the spin, and before the futex, the waiter gives its core away
+// kYields times (sched_yield): the peer, if it waits for a core, runs at once,
+// and an answer that comes meanwhile costs neither side a futex call. Same
+// machine, spin 0, 15 paired batches of 2000, median round trip over
+// multiprocessing.Pipe's: 0 yields 0.54x, 2: 0.42x, 4: 0.41x, 8: 0.39x,
+// 16: 0.38x, 32: 0.38x. On an idle machine a yield returns at once: 16 of
+// them are ~5 us more of spinning.
 // Note [noticing a dead peer]
 // Nothing in the segment tells that the peer died (SIGKILL leaves no trace
 // there). Its socket does: the kernel closes it with the process. A sleeping
@@ -40,7 +54,19 @@ namespace torch_ipc {
 namespace {
 
 constexpr int64_t kPeerCheckNs = 50'000'000;
-std::atomic<int64_t> g_spin_ns{20'000};
+constexpr int kYields = 16;  // Note [spin budget]
+int64_t default_spin_ns() {
+  if (const char* env = std::getenv("TORCH_IPC_CHANNEL_SPIN_US")) {
+    char* end = nullptr;
+    double us = std::strtod(env, &end);
+    if (end != env && us >= 0 && us <= 1e6) return int64_t(us * 1000);
+  }
+  cpu_set_t cpus;
+  if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) < 4) return 0;
+  return 20'000;
+}
+
+std::atomic<int64_t> g_spin_ns{default_spin_ns()};
 
 template <class Ready>
 WaitEnd wait_for(Ready ready, std::atomic<uint32_t>* sleeps, const WaitContext& ctx) {
@@ -52,6 +78,10 @@ WaitEnd wait_for(Ready ready, std::atomic<uint32_t>* sleeps, const WaitContext& 
     cpu_relax();
     if (ready()) return WaitEnd::Ready;
     if ((i & 31) == 0) now = steady_now_ns();
+  }
+  for (int i = 0; i < kYields && (ctx.deadline_ns < 0 || steady_now_ns() < ctx.deadline_ns); ++i) {
+    sched_yield();
+    if (ready()) return WaitEnd::Ready;
   }
   for (;;) {
     if (ctx.closed->load(std::memory_order_acquire)) return WaitEnd::Closed;
