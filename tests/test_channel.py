@@ -302,7 +302,7 @@ def test_close_while_the_other_side_waits():
 
         t = threading.Thread(target=wait)
         t.start()
-        time.sleep(0.05)  # let it go to sleep: closing must wake a sleeper, not only a spinner
+        _wait_until(lambda: _reader_sleeps(b), what="the thread sleeping in recv")  # a sleeper, not a spinner
         (a if close_own else b).close()
         t.join(2.0)
         assert not t.is_alive()
@@ -398,11 +398,15 @@ def _client_echo(address, count):
         conn.recv()
 
 
-def test_connection_rides_the_rings_and_shares_tensors(ipc_peer):
+def _accept_client(peer, client, *args):
+    """The connection from `client(address, *args)`, started in `peer`."""
     with torch_ipc.listen(authkey=AUTHKEY) as listener:
-        ipc_peer.start_call(_client_echo, listener.address, 50)
-        conn = listener.accept()
-    with conn:
+        peer.start_call(client, listener.address, *args)
+        return listener.accept()
+
+
+def test_connection_rides_the_rings_and_shares_tensors(ipc_peer):
+    with _accept_client(ipc_peer, _client_echo, 50) as conn:
         assert isinstance(conn._conn, RingConnection)
         for i in range(50):
             conn.send_bytes(b"m%d" % i)
@@ -425,10 +429,7 @@ def _client_sends_later(address, delay):
 
 
 def test_connection_fileno_works_with_select_and_wait(ipc_peer):
-    with torch_ipc.listen(authkey=AUTHKEY) as listener:
-        ipc_peer.start_call(_client_sends_later, listener.address, 0.2)
-        conn = listener.accept()
-    with conn:
+    with _accept_client(ipc_peer, _client_sends_later, 0.2) as conn:
         fd = conn.fileno()
         assert select.select([fd], [], [], 0)[0] == []
         conn.send("go")

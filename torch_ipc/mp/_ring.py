@@ -243,11 +243,6 @@ _VERSION = 1
 _ACCEPTED, _REFUSED = b"\x01", b"\x00"
 
 
-def _wait_readable(fd: int, timeout: Optional[float]) -> None:
-    if not select.select([fd], [], [], timeout)[0]:
-        raise BlockingIOError(f"torch_ipc: no channel offer within {timeout:g} s")
-
-
 def offer(conn: mpc.Connection, ring_bytes: int = RING_BYTES) -> Any:
     """The connecting side, after the handshake: make a segment and offer it.
     Returns a RingConnection on it, or ``conn`` (not a Unix socket, or refused)."""
@@ -274,13 +269,18 @@ def offer(conn: mpc.Connection, ring_bytes: int = RING_BYTES) -> Any:
 
 def accept_offer(conn: mpc.Connection, timeout: float) -> Any:
     """The listening side, after the handshake: take the client's segment
-    (within ``timeout`` seconds). Returns a RingConnection on it, or ``conn``
-    (not a Unix socket, or a segment that fails its checks)."""
+    (waiting ``timeout`` seconds for it). Returns a RingConnection on it, or
+    ``conn``: not a Unix socket, a segment that fails its checks, or a client
+    that offers none (it hung up, sent a message first, or said nothing)."""
     sock = socket.socket(fileno=conn.fileno())
     try:
         if sock.family != socket.AF_UNIX:
             return conn
-        _wait_readable(sock.fileno(), timeout)
+        if not select.select([sock], [], [], timeout)[0]:
+            return conn
+        head = sock.recv(len(_MAGIC), socket.MSG_PEEK)
+        if not head or not _MAGIC.startswith(head):
+            return conn
         data, fds, flags, _ = socket.recv_fds(sock, _OFFER.size, 3)
         try:
             end = _accept(sock, data, fds, flags)
@@ -295,8 +295,6 @@ def accept_offer(conn: mpc.Connection, timeout: float) -> Any:
 
 
 def _accept(sock: socket.socket, data: bytes, fds, flags: int) -> Optional[RingConnection]:
-    if not data:
-        raise EOFError("torch_ipc: the client hung up while setting up the channel")
     end = None
     if len(data) == _OFFER.size and len(fds) == 3 and not flags & socket.MSG_CTRUNC:
         magic, version, ring_bytes = _OFFER.unpack(data)
