@@ -470,3 +470,19 @@ def test_kv_hand_over_and_weights_attach_ride_the_pipe():
         sub.pull(into=model)
         assert all(torch.equal(model[n], weights[n]) for n in weights)
         sub.close(), pub.close()
+
+
+def test_poll_zero_reports_a_dead_peer_like_a_socket():
+    ctx = mp.get_context("fork")
+    mine, theirs = torch_ipc.Pipe()
+    p = ctx.Process(target=os._exit, args=(0,))
+    p.start()
+    theirs.close()  # the child's copy went with it: nobody holds the other end now
+    try:
+        p.join(TIMEOUT)
+        assert mine.poll(0)  # readable: what is there to read is the end of file
+        with pytest.raises(EOFError):
+            mine.recv_bytes()
+    finally:
+        _stop(p)
+        mine.close()

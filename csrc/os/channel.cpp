@@ -82,18 +82,19 @@ Channel::~Channel() {
 }
 
 WaitContext Channel::context(int64_t deadline_ns) const {
-  return WaitContext{&closed_, [this] { return peer_gone(); }, deadline_ns};
+  return WaitContext{&closed_, &peer_gone_seen_, [this] { return peer_gone(); }, deadline_ns};
 }
 
 bool Channel::peer_gone() const {
   struct pollfd p {socket_.get(), POLLIN | POLLRDHUP, 0};
   if (::poll(&p, 1, 0) <= 0) return false;  // nothing, or could not check: not gone
-  if (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) return true;
-  if (p.revents & POLLIN) {  // the socket carries nothing once the rings run: only its end
+  bool gone = (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0;
+  if (!gone && (p.revents & POLLIN)) {  // the socket carries nothing once the rings run: only its end
     char c;
-    return recv(socket_.get(), &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+    gone = recv(socket_.get(), &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
   }
-  return false;
+  if (gone) peer_gone_seen_.store(true, std::memory_order_relaxed);  // an end of file is for good
+  return gone;
 }
 
 void Channel::fail(WaitEnd end, const char* doing) const {

@@ -69,6 +69,7 @@ class Channel {
   RingWriter writer_;
   RingReader reader_;
   std::atomic<bool> closed_{false};
+  mutable std::atomic<bool> peer_gone_seen_{false};
   std::atomic<bool> fds_closed_{false};
   std::atomic<int> busy_{0};
 };

@@ -83,12 +83,17 @@ WaitEnd wait_for(Ready ready, std::atomic<uint32_t>* sleeps, const WaitContext& 
     sched_yield();
     if (ready()) return WaitEnd::Ready;
   }
+  auto gone = [&] { return ctx.peer_gone_seen->load(std::memory_order_relaxed) || ctx.peer_gone(); };
   for (;;) {
     if (ctx.closed->load(std::memory_order_acquire)) return WaitEnd::Closed;
+    if (ctx.peer_gone_seen->load(std::memory_order_relaxed)) return ready() ? WaitEnd::Ready : WaitEnd::PeerGone;
     int64_t sleep_ns = kPeerCheckNs;
     if (ctx.deadline_ns >= 0) {
       int64_t left = ctx.deadline_ns - steady_now_ns();
-      if (left <= 0) return ready() ? WaitEnd::Ready : WaitEnd::Timeout;
+      if (left <= 0) {  // poll(0) on a dead peer must say so, as a socket's would
+        if (ready()) return WaitEnd::Ready;
+        return gone() ? (ready() ? WaitEnd::Ready : WaitEnd::PeerGone) : WaitEnd::Timeout;
+      }
       sleep_ns = std::min(left, sleep_ns);
     }
     sleeps->store(1, std::memory_order_relaxed);
@@ -97,7 +102,7 @@ WaitEnd wait_for(Ready ready, std::atomic<uint32_t>* sleeps, const WaitContext& 
     sleeps->store(0, std::memory_order_relaxed);
     if (ready()) return WaitEnd::Ready;
     if (ctx.closed->load(std::memory_order_acquire)) return WaitEnd::Closed;
-    if (ctx.peer_gone && ctx.peer_gone()) return ready() ? WaitEnd::Ready : WaitEnd::PeerGone;
+    if (gone()) return ready() ? WaitEnd::Ready : WaitEnd::PeerGone;
   }
 }
 

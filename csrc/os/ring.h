@@ -18,9 +18,11 @@ namespace torch_ipc {
 enum class WaitEnd { Ready, Timeout, PeerGone, Closed };
 
 // What a wait looks at besides the ring: our own close, and whether the peer
-// is gone (its end of the socket closed), asked only while sleeping.
+// is gone (its end of the socket closed): asked when a sleep or the deadline
+// ends with nothing there, remembered once true (`peer_gone_seen`).
 struct WaitContext {
   const std::atomic<bool>* closed;
+  const std::atomic<bool>* peer_gone_seen;
   std::function<bool()> peer_gone;
   int64_t deadline_ns;  // steady clock; < 0: none
 };
