@@ -192,6 +192,8 @@ def _tensor_child(end):
 
     t = end.recv()
     t.add_(1)
+    if t.is_cuda:
+        torch.cuda.synchronize()
     end.send("written")
     end.recv()
 
@@ -217,8 +219,9 @@ def test_pipe_to_a_child(start):
         _stop(p)
 
 
-@pytest.mark.parametrize("start", ["fork", "spawn"])
-def test_pipe_carries_tensors_zero_copy(start):
+@pytest.mark.parametrize("start, device", [("fork", "cpu"), ("spawn", "cpu"),
+                                           pytest.param("spawn", "cuda", marks=pytest.mark.cuda)])
+def test_pipe_carries_tensors_zero_copy(start, device):
     with torch_ipc.reductions():
         ctx = mp.get_context(start)
         mine, theirs = torch_ipc.Pipe()
@@ -226,10 +229,10 @@ def test_pipe_carries_tensors_zero_copy(start):
         p.start()
         theirs.close()
         try:
-            x = torch.zeros(1000)
+            x = torch.zeros(1024, device=device)  # 4 KiB
             mine.send(x)
             assert mine.poll(TIMEOUT) and mine.recv() == "written"
-            assert torch.equal(x, torch.ones(1000))  # the child wrote into our memory
+            assert torch.equal(x, torch.ones(1024, device=device))  # the child wrote into our memory
             mine.send("bye")
             p.join(TIMEOUT)
             assert p.exitcode == 0
