@@ -18,6 +18,7 @@ from .mp._reductions import init_reductions, reductions, restore_reductions
 from ._serialize import dumps, loads
 from ._export import Export, export
 from .mp.connection import Client, Connection, Listener, connect, listen
+from .mp._ring import Pipe
 from .errors import (
     CudaError,
     CudaUnavailableError,
@@ -50,6 +51,7 @@ __all__ = [
     "Connection",
     "listen",
     "connect",
+    "Pipe",
     "SharedPool",
     "IpcEvent",
     "DescriptorError",

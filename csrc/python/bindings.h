@@ -16,6 +16,7 @@ void bind_ipc_event(py::module_& m);  // ipc_event.cpp: IpcEvent
 void bind_vmm(py::module_& m);        // vmm.cpp: SharedPool memory
 void bind_kv(py::module_& m);         // kv.cpp: BlockAllocator of torch_ipc.kv
 void bind_weights(py::module_& m);    // weights.cpp: batched copy, shared counters
+void bind_channel(py::module_& m);    // channel.cpp: shared-memory channel ends (torch_ipc/mp/_ring.py)
 void bind_testing(py::module_& m);    // testing.cpp: _C._testing, for torch_ipc's own tests
 
 }  // namespace torch_ipc::python

@@ -13,5 +13,6 @@ PYBIND11_MODULE(_C, m) {
   bind_vmm(m);
   bind_kv(m);
   bind_weights(m);
+  bind_channel(m);
   bind_testing(m);
 }

@@ -93,7 +93,7 @@ def check_connections() -> None:
             exports[:] = [e for e in exports if e.live]
             if not exports or conn.closed:  # closed by us: its messages may still be read
                 del _sent[conn]
-            elif _other_end_closed(conn.fileno()):
+            elif _other_end_closed(getattr(conn, "socket_fileno", conn.fileno)()):  # a ring's fileno is no socket
                 closed.append(exports)
                 del _sent[conn]
     for exports in closed:

@@ -20,7 +20,7 @@ from typing import Any, List, Optional, Tuple, Union
 
 from .. import _C, _process, _runtime, _serialize
 from ..errors import InFlightLimitError
-from . import _flow, _listener
+from . import _flow, _listener, _ring
 
 __all__ = ["Listener", "Client", "Connection", "listen", "connect"]
 
@@ -80,10 +80,12 @@ class Connection:
 
     ``max_bytes_in_flight`` (None: no bound) bounds the bytes of tensors this
     end sent that the peer has not released yet, read or unread (Note [bytes
-    in flight] in _flow.py); it may be changed at any time."""
+    in flight] in _flow.py); it may be changed at any time. Between two
+    processes of one machine (a Unix socket) its messages go through shared
+    memory (Note [channel] in _ring.py)."""
 
-    def __init__(self, conn: mpc.Connection, peer: _process.ProcessId, *, max_bytes_in_flight: Optional[int] = None):
-        self._conn = conn
+    def __init__(self, conn: Any, peer: _process.ProcessId, *, max_bytes_in_flight: Optional[int] = None):
+        self._conn = conn  # the transport: an mpc.Connection, or a _ring.RingConnection
         self._peer = peer
         self._sent: List[_C.Export] = []  # what we sent that the peer may still load
         self._sent_bytes: List[Tuple[_C.Export, int]] = []  # Note [bytes in flight]
@@ -142,7 +144,10 @@ class Connection:
 
     def _send_by(self, data: bytes, deadline: float) -> None:
         """send_bytes that gives up at ``deadline`` (Note [send time limit] in _flow.py)."""
-        written = _flow.write_by(self._conn.fileno(), data, deadline)
+        if isinstance(self._conn, _ring.RingConnection):
+            written = self._conn.send_bytes_within(data, deadline - time.monotonic())
+        else:
+            written = _flow.write_by(self._conn.fileno(), data, deadline)
         if written < 0:
             return
         if written:
@@ -154,6 +159,14 @@ class Connection:
     def recv(self) -> Any:
         """Receive one message and rebuild it on the sender's memory."""
         return _serialize.loads(self._conn.recv_bytes())
+
+    def send_bytes(self, buf: Any, offset: int = 0, size: Optional[int] = None) -> None:
+        """Send raw bytes, as ``multiprocessing.connection.Connection.send_bytes``."""
+        self._conn.send_bytes(buf, offset, size)
+
+    def recv_bytes(self, maxlength: Optional[int] = None) -> bytes:
+        """Receive raw bytes, as ``multiprocessing.connection.Connection.recv_bytes``."""
+        return self._conn.recv_bytes(maxlength)
 
     def poll(self, timeout: Optional[float] = 0.0) -> bool:
         return self._conn.poll(timeout)
@@ -178,7 +191,7 @@ class Connection:
         if self._conn.closed or not self._sent:
             return False
         try:
-            sock = socket.socket(fileno=self._conn.fileno())
+            sock = socket.socket(fileno=getattr(self._conn, "socket_fileno", self._conn.fileno)())
         except OSError:  # not a socket (a pipe): only the peer's exit tells
             return False
         try:
@@ -351,7 +364,8 @@ class Listener:
         if self._handshakes is None:
             self._handshakes = _listener.Handshakes(
                 self._listener, lambda conn: _accept_handshake(conn, self.authkey),
-                lambda conn, pid: Connection(conn, pid, max_bytes_in_flight=self.max_bytes_in_flight),
+                lambda conn, peer: Connection(_ring.accept_offer(conn, self.handshake_timeout), peer,
+                                              max_bytes_in_flight=self.max_bytes_in_flight),
                 self.handshake_timeout)
         while True:
             kind, value = self._handshakes.next()
@@ -409,7 +423,8 @@ def _client(address: Address, family: Optional[str], authkey: bytes,
     except OSError as e:
         raise _with_address(e, f"cannot connect to {address!r}",
                             "start the listener first, or check the address") from None
-    return Connection(conn, _exchange_identities(conn), max_bytes_in_flight=max_bytes_in_flight)
+    peer = _exchange_identities(conn)
+    return Connection(_ring.offer(conn), peer, max_bytes_in_flight=max_bytes_in_flight)
 
 
 def Client(address: Address, family: Optional[str] = None, authkey: Optional[bytes] = None) -> Connection:

@@ -1,0 +1,208 @@
+#include "os/channel.h"
+
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+
+#include "base/errors.h"
+#include "os/futex.h"
+
+namespace torch_ipc {
+
+// Note [fd wake-ups]
+// select() and asyncio wait on an fd, not on a futex. Once the reader asks
+// for an fd (Connection.fileno()), it sets fd_wakeups in its incoming ring;
+// from then on the producer rings the eventfd of that ring for each message,
+// before publishing it: readable fd => a message is there or about to be (a
+// recv then waits at most for the producer to finish copying, or notices its
+// death). After each message the reader empties the eventfd and rings it
+// again itself while messages_begun > messages_read, so the fd stays readable
+// exactly while messages wait. The producer counts the message, then reads
+// the flag; the reader sets the flag, then reads the count (both seq_cst):
+// a message begun as the flag is set is either rung by the producer or found
+// by the reader. The fd handed out is an epoll fd over that eventfd and the
+// socket, so the peer's end (socket hang-up) wakes it too.
+
+class Channel::Busy {
+ public:
+  explicit Busy(Channel* c) : c_(c) {
+    c_->busy_.fetch_add(1, std::memory_order_seq_cst);
+    if (c_->closed_.load(std::memory_order_seq_cst)) {
+      release();
+      throw OsError(EBADF, "torch_ipc: the connection is closed");
+    }
+  }
+  ~Busy() {
+    if (c_ != nullptr) release();
+  }
+
+ private:
+  void release() {
+    if (c_->busy_.fetch_sub(1, std::memory_order_seq_cst) == 1 && c_->closed_.load(std::memory_order_seq_cst))
+      c_->close_fds_once();
+    c_ = nullptr;
+  }
+  Channel* c_;
+};
+
+namespace {
+
+std::unique_ptr<ChannelSegment> map_checked(int memory, int socket, int bell0, int bell1, int side,
+                                            uint32_t ring_bytes) {
+  TORCH_IPC_CHECK_VALUE(side == 0 || side == 1, "torch_ipc: a channel end's side is 0 or 1, not ", side);
+  struct stat st {};
+  if (fstat(socket, &st) != 0) throw_os_error("fstat", "the channel's socket");
+  if (!S_ISSOCK(st.st_mode)) throw OsError(ENOTSOCK, "torch_ipc: the channel's socket is not a socket");
+  int bells[2] = {bell0, bell1};
+  return ChannelSegment::map(memory, bells, ring_bytes);
+}
+
+}  // namespace
+
+Channel::Channel(UniqueFd memory, UniqueFd socket, UniqueFd bell0, UniqueFd bell1, int side,
+                 uint32_t ring_bytes)
+    : memory_(std::move(memory)),
+      socket_(std::move(socket)),
+      segment_(map_checked(memory_.get(), socket_.get(), bell0.get(), bell1.get(), side, ring_bytes)),
+      side_(side),
+      writer_(segment_->control(side), segment_->data(side), ring_bytes, side == 0 ? bell0.get() : bell1.get()),
+      reader_(segment_->control(1 - side), segment_->data(1 - side), ring_bytes, side == 0 ? bell1.get() : bell0.get()) {
+  bell_[0] = std::move(bell0);
+  bell_[1] = std::move(bell1);
+}
+
+Channel::~Channel() {
+  closed_.store(true);
+  close_fds_once();
+}
+
+WaitContext Channel::context(int64_t deadline_ns) const {
+  return WaitContext{&closed_, &peer_gone_seen_, [this] { return peer_gone(); }, deadline_ns};
+}
+
+bool Channel::peer_gone() const {
+  struct pollfd p {socket_.get(), POLLIN | POLLRDHUP, 0};
+  if (::poll(&p, 1, 0) <= 0) return false;  // nothing, or could not check: not gone
+  bool gone = (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0;
+  if (!gone && (p.revents & POLLIN)) {  // the socket carries nothing once the rings run: only its end
+    char c;
+    gone = recv(socket_.get(), &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+  }
+  if (gone) peer_gone_seen_.store(true, std::memory_order_relaxed);  // an end of file is for good
+  return gone;
+}
+
+void Channel::fail(WaitEnd end, const char* doing) const {
+  if (end == WaitEnd::Closed) throw OsError(EBADF, "torch_ipc: the connection is closed");
+  throw OsError(EPIPE, str("torch_ipc: the other end of the connection is gone (closed, or its process exited) while ",
+                           doing));
+}
+
+void Channel::send(const void* data, size_t size) {
+  Busy busy(this);
+  WaitEnd end = writer_.send(data, size, context(-1));
+  if (end != WaitEnd::Ready) fail(end, "sending");
+}
+
+int64_t Channel::send_within(const void* data, size_t size, int64_t timeout_ns) {
+  Busy busy(this);
+  uint64_t written = 0;
+  WaitEnd end = writer_.send(data, size, context(steady_now_ns() + std::max<int64_t>(timeout_ns, 0)), &written);
+  if (end == WaitEnd::Timeout) return int64_t(written);
+  if (end != WaitEnd::Ready) fail(end, "sending");
+  return -1;
+}
+
+bool Channel::next_size(uint64_t* size) {
+  Busy busy(this);
+  WaitEnd end = reader_.read(size, sizeof(*size), context(-1));
+  if (end == WaitEnd::PeerGone) return false;
+  if (end != WaitEnd::Ready) fail(end, "receiving");
+  if (*size >= (uint64_t(1) << 47))  // more than any machine holds: not a length we wrote
+    throw OsError(EPROTO, str("torch_ipc: the channel's incoming ring holds an impossible message length (", *size,
+                              "): its shared memory was written over"));
+  return true;
+}
+
+bool Channel::try_body(void* out, size_t size) {
+  Busy busy(this);
+  return reader_.try_read(out, size);
+}
+
+bool Channel::body(void* out, size_t size) {
+  Busy busy(this);
+  WaitEnd end = reader_.read(out, size, context(-1));
+  if (end == WaitEnd::PeerGone) return false;
+  if (end != WaitEnd::Ready) fail(end, "receiving");
+  return true;
+}
+
+void Channel::finished() {
+  Busy busy(this);
+  reader_.message_done();
+}
+
+bool Channel::poll(int64_t timeout_ns) {
+  Busy busy(this);
+  int64_t deadline = timeout_ns < 0 ? -1 : steady_now_ns() + timeout_ns;
+  WaitEnd end = reader_.wait_readable(context(deadline));
+  if (end == WaitEnd::Closed) fail(end, "polling");
+  return end != WaitEnd::Timeout;  // PeerGone: readable, the next recv raises EOFError
+}
+
+int Channel::wait_fd() {
+  Busy busy(this);
+  if (epoll_.get() >= 0) return epoll_.get();
+  UniqueFd ep(epoll_create1(EPOLL_CLOEXEC));
+  if (ep.get() < 0) throw_os_error("epoll_create1", "a channel's wait fd");
+  int incoming = 1 - side_;
+  struct epoll_event bell {};
+  bell.events = EPOLLIN;
+  struct epoll_event sock {};
+  sock.events = EPOLLIN | EPOLLRDHUP;
+  if (epoll_ctl(ep.get(), EPOLL_CTL_ADD, bell_[incoming].get(), &bell) != 0 ||
+      epoll_ctl(ep.get(), EPOLL_CTL_ADD, socket_.get(), &sock) != 0)
+    throw_os_error("epoll_ctl", "a channel's wait fd");
+  reader_.enable_fd_wakeups();
+  epoll_ = std::move(ep);
+  return epoll_.get();
+}
+
+void Channel::wake_everyone() const {
+  for (int r = 0; r < 2; ++r) {
+    futex_wake_all(&segment_->control(r)->reader_sleeps);
+    futex_wake_all(&segment_->control(r)->writer_sleeps);
+  }
+}
+
+void Channel::close() {
+  if (closed_.exchange(true, std::memory_order_seq_cst)) return;
+  wake_everyone();  // our own waiters return and raise
+  if (busy_.load(std::memory_order_seq_cst) == 0) close_fds_once();
+}
+
+void Channel::close_fds_once() {
+  if (fds_closed_.exchange(true)) return;
+  epoll_.reset();
+  socket_.reset();  // the peer's poll now sees the end of file ...
+  bell_[0].reset();
+  bell_[1].reset();
+  memory_.reset();
+  wake_everyone();  // ... and its sleeping waiters look now
+}
+
+size_t ring_head_offset(int ring) {
+  return offsetof(ChannelHeader, rings) + ring * sizeof(RingControl) + offsetof(RingControl, head);
+}
+
+size_t ring_tail_offset(int ring) {
+  return offsetof(ChannelHeader, rings) + ring * sizeof(RingControl) + offsetof(RingControl, tail);
+}
+
+}  // namespace torch_ipc
