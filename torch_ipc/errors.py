@@ -1,5 +1,7 @@
 """The exceptions torch_ipc raises. Each subclasses the builtin it resembles."""
 
+import pickle
+
 __all__ = [
     "DescriptorError",
     "CudaError",
@@ -8,6 +10,7 @@ __all__ = [
     "ReleasedError",
     "DeviceNotFoundError",
     "HolderLimitError",
+    "WeightsOnlyError",
 ]
 
 
@@ -51,3 +54,9 @@ class HolderLimitError(RuntimeError):
     """One export is held by as many living processes as it has room for (14):
     load it in fewer processes at once, or export once per group of consumers.
     Processes that died holding it do not count."""
+
+
+class WeightsOnlyError(pickle.UnpicklingError):
+    """``loads(data, weights_only=True)`` met something in the payload that is
+    not a tensor, a container or a type ``torch.load(weights_only=True)``
+    allows; nothing of it was run."""

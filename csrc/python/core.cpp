@@ -87,7 +87,7 @@ void bind_core(py::module_& m) {
       .def_property_readonly("live", &Export::live)
       .def("revoke", &Export::revoke);
   m.def("export_tensors", &export_tensors, py::arg("tensors"), py::arg("is_parameter"),
-        py::arg("payload"), py::arg("consumers") = 1);
+        py::arg("payload"), py::arg("consumers") = 1, py::arg("while_referenced") = false);
   py::class_<PendingLoad, std::shared_ptr<PendingLoad>>(
       m, "PendingLoad",
       "What a load spends at its producers (a token, a forwarder's delivery) once it succeeded: "
