@@ -28,16 +28,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 SPAWN = {"TORCH_IPC_TEST_SPAWNED": "1"}  # an env= makes run_in_subprocess spawn a fresh interpreter
 
 
-def _wait(predicate, timeout=10.0):
-    """Collect until predicate() is true; False if it never becomes so."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        gc.collect()
-        torch_ipc.collect()
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
+_wait = u.wait_collected
 
 
 def _settled_exports() -> int:

@@ -13,6 +13,7 @@ other side; any other layout raises a TypeError that names it. A non-leaf
 tensor that requires grad is refused with torch's own message.
 """
 
+import importlib
 import io
 import os
 import pickle
@@ -20,7 +21,6 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, List, Optional
 
 import torch
-from torch.multiprocessing.reductions import rebuild_meta_tensor
 
 from . import _C, _runtime
 from .errors import CudaUnavailableError, DescriptorError, WeightsOnlyError
@@ -106,7 +106,8 @@ def _rebuild_sparse(layout, parts, shape, coalesced, requires_grad):
 # allow-list (torch/_weights_only_unpickler.py: containers, primitives,
 # OrderedDict, torch.dtype/device/Size/layout, torch's tensor rebuild
 # functions, and what torch.serialization.add_safe_globals added), plus the
-# rebuilds torch_ipc itself pickles (sparse and meta tensors). Tensors and
+# rebuilds torch_ipc itself pickles (sparse and meta tensors, IpcEvent, a KV
+# pool, which check what they are given as any load from a peer). Tensors and
 # storages are references into the descriptor's own tables. The check is in
 # find_class: a global that is not on the list raises pickle.UnpicklingError
 # when the unpickler reaches it, before anything calls it, so no code of the
@@ -119,9 +120,11 @@ def _rebuild_sparse(layout, parts, shape, coalesced, requires_grad):
 # channels torch_ipc authenticates itself (Listener/Client, and the
 # multiprocessing reductions, whose pipes multiprocessing already trusts with
 # full pickle) keep full pickle.
-_TORCH_IPC_GLOBALS = {
-    "torch_ipc._serialize._rebuild_sparse": _rebuild_sparse,
-    "torch.multiprocessing.reductions.rebuild_meta_tensor": rebuild_meta_tensor,
+_TORCH_IPC_GLOBALS = {  # path: module, looked up when met (kv and ipc_event import this module)
+    "torch_ipc._serialize._rebuild_sparse": "torch_ipc._serialize",
+    "torch.multiprocessing.reductions.rebuild_meta_tensor": "torch.multiprocessing.reductions",
+    "torch_ipc.ipc_event._rebuild_ipc_event": "torch_ipc.ipc_event",
+    "torch_ipc.kv._load_pool": "torch_ipc.kv",
 }
 
 
@@ -133,7 +136,9 @@ def _allowed_global(module: str, name: str):
     found = allow._get_allowed_globals().get(path)
     if found is None and hasattr(allow, "_get_user_allowed_globals"):  # torch >= 2.4
         found = allow._get_user_allowed_globals().get(path)
-    return found if found is not None else _TORCH_IPC_GLOBALS.get(path)
+    if found is None and path in _TORCH_IPC_GLOBALS:
+        found = getattr(importlib.import_module(_TORCH_IPC_GLOBALS[path]), name)
+    return found
 
 
 class _Unpickler(pickle.Unpickler):
