@@ -156,8 +156,8 @@ def _guarded(torch_reducer: Optional[Callable]) -> Callable:
 def _install_guards() -> None:
     import torch.multiprocessing  # noqa: F401  (registers torch's reducers first, to wrap them)
 
-    dumps = ForkingPickler.__dict__["dumps"].__func__
-    if not getattr(dumps, "counted", False):
+    dumps = getattr(ForkingPickler.__dict__.get("dumps"), "__func__", None)  # None: not the classmethod it was
+    if dumps is not None and not getattr(dumps, "counted", False):
         ForkingPickler.dumps = classmethod(_counted(dumps))
 
     for t in _REDUCED_TYPES:
