@@ -79,7 +79,8 @@ def e_off(p: dict, i: int) -> int:
 
 def vmm_handle(n_chunks: int, export_id: int, chunk_bytes: int, pid: int) -> str:
     """Note [VMM handle field] in csrc/wire/vmm_handle.h, POSIX fds, none sent."""
-    return (struct.pack("<BBHIQQI", 1, 1, 0, n_chunks, export_id, chunk_bytes, pid) + struct.pack("<9i", *[-1] * 9)).hex()
+    field = struct.pack("<BBHIQQI", 1, 1, 0, n_chunks, export_id, chunk_bytes, pid) + struct.pack("<9i", *[-1] * 9)
+    return field.hex()
 
 
 def cuda_layout(base: dict, kind: str) -> dict:
