@@ -38,14 +38,27 @@ compile_args = ["-Wall", "-Wno-unused-function"] + (["-O0", "-g"] if debug else 
 link_args = [] if debug else ["-Wl,--strip-debug"]
 
 
+# Commands that compile; metadata and sdists need no torch.
+BUILD_COMMANDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
+
+
+def no_torch_exit():
+    """Stop before setuptools prints anything, so that the reason is the last
+    line of the build's output, just above pip's own summary."""
+    sys.exit("torch_ipc: no torch to build against; " + INSTALL_TORCH)
+
+
 class NoTorch(build_ext):
     """Stands in for torch's BuildExtension where no torch can be found."""
 
     def run(self):
-        sys.exit("torch_ipc: no torch to build against; " + INSTALL_TORCH)
+        no_torch_exit()
 
 
-if torch_available():
+have_torch = torch_available()
+if not have_torch and BUILD_COMMANDS.intersection(sys.argv[1:]):
+    no_torch_exit()
+if have_torch:
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 

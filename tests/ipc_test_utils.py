@@ -28,6 +28,25 @@ _DTYPE_NAMES = [
 ]  # fmt: skip
 
 
+def loads(data: bytes) -> Any:
+    """torch_ipc.loads of what the tests send: modules, dataclasses and other
+    objects besides tensors, so full pickle (tests/test_weights_only.py tests
+    the default, weights_only=True)."""
+    return torch_ipc.loads(data, weights_only=False)
+
+
+def wait_collected(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Collect until predicate() is true; False if it never becomes so."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        gc.collect()
+        torch_ipc.collect()
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def _usable(dtype: torch.dtype, device: str) -> bool:
     """Whether tensors of `dtype` can be made from random bytes and copied on `device`."""
     try:
@@ -187,13 +206,13 @@ def view_bits(key: str, view: str) -> dict:
 
 def load(key: str, data: bytes) -> Any:
     """Load a descriptor and hold the result under `key`; return its fingerprint."""
-    obj = torch_ipc.loads(data)
+    obj = loads(data)
     HELD[key] = obj
     return fingerprint(obj)
 
 
 def load_quietly(key: str, data: bytes) -> None:
-    HELD[key] = torch_ipc.loads(data)
+    HELD[key] = loads(data)
 
 
 def hold(key: str, obj: Any) -> None:
@@ -273,7 +292,7 @@ def load_batch(batch, exact: Callable[[torch.Tensor], Any] = bits) -> Dict[str, 
     wrong index or values)."""
     bad = 0
     for i, (data, want) in enumerate(batch):
-        obj = torch_ipc.loads(data)
+        obj = loads(data)
         if obj["i"] != i or (want is not None and exact(obj["t"]) != want):
             bad += 1
         del obj
@@ -300,7 +319,7 @@ def gpu_cycles_per_second() -> float:
 
 
 def load_bits(key: str, data: bytes) -> bytes:
-    x = torch_ipc.loads(data)
+    x = loads(data)
     HELD[key] = x
     return bits(x)
 
@@ -308,7 +327,7 @@ def load_bits(key: str, data: bytes) -> bytes:
 def try_load(data: bytes) -> Tuple[str, str]:
     """Load and drop at once; return ("ok", "") or (exception type name, message)."""
     try:
-        obj = torch_ipc.loads(data)
+        obj = loads(data)
     except Exception as e:  # reported to the test, which decides
         return type(e).__name__, str(e)
     del obj

@@ -30,16 +30,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 
 
-def _wait(predicate, timeout=10.0):
-    """Collect until predicate() is true; False if it never becomes so."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        gc.collect()
-        torch_ipc.collect()
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
+_wait = u.wait_collected
 
 
 @contextlib.contextmanager

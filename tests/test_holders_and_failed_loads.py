@@ -158,14 +158,14 @@ def test_a_payload_that_does_not_unpickle_spends_nothing(producer, tmp_path):
     data, want = producer.call(_export_with_late_module, str(tmp_path), name)
     producer.call(u.drop, "x")
     with pytest.raises(torch_ipc.DescriptorError, match="does not unpickle.*No module named"):
-        torch_ipc.loads(data)  # this process cannot import the module ...
+        u.loads(data)  # this process cannot import the module ...
     sys.path.insert(0, str(tmp_path))  # ... until it can: the retry succeeds
     try:
         gc.collect()
         torch_ipc.collect()
         s = producer.call(u.wait_for_stats, "exports", 0, 0.3)
         assert s["exports"] == 1 and s["tokens_pending"] == 1, f"the failed load spent the token: {s}"
-        obj = torch_ipc.loads(data)
+        obj = u.loads(data)
         assert u.bits(obj["t"]) == want and obj["extra"].n == 7
         del obj
     finally:
@@ -206,7 +206,7 @@ def _load_interrupted(data: bytes) -> str:
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     _INTERRUPT_NEXT = True
     try:
-        torch_ipc.loads(data)
+        u.loads(data)
         return "loaded"
     except KeyboardInterrupt:
         return "interrupted"
@@ -222,7 +222,7 @@ def test_ctrl_c_during_a_load_spends_nothing(producer, ipc_peer):
     assert ipc_peer.call(_load_interrupted, data) == "interrupted"
     s = producer.call(u.wait_for_stats, "exports", 0, 0.3)
     assert s["exports"] == 1 and s["tokens_pending"] == 1, f"the interrupted load spent the token: {s}"
-    obj = torch_ipc.loads(data)
+    obj = u.loads(data)
     assert u.bits(obj["t"]) == want and obj["extra"] == "unpickled"
     del obj
     gc.collect()

@@ -85,7 +85,26 @@ def test_import_without_the_extension_says_how_to_build_it(tmp_path):
     r = import_copy(tmp_path)
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
-    assert "torch_ipc._C is not built here" in last and "build_ext --inplace" in last, r.stderr
+    assert f"torch_ipc._C is not built in {pkg}" in last and "build_ext --inplace" in last, r.stderr
+    assert "circular import" not in r.stderr, r.stderr
+
+
+def test_a_source_folder_shadowing_the_installed_package_names_both(tmp_path):
+    installed = copy_of_this_package(tmp_path / "site", torch.__version__)
+    checkout = tmp_path / "checkout"
+    source = copy_of_this_package(checkout, torch.__version__)
+    for so in source.glob("_C*.so"):
+        so.unlink()
+    # run from the checkout's root, as `python -m torch_ipc doctor` or a script saved there would
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"))
+    for argv in (["-c", "import torch_ipc"], ["-m", "torch_ipc", "doctor"]):
+        r = subprocess.run([sys.executable, *argv], cwd=checkout, env=env, capture_output=True, text=True,
+                           timeout=TIMEOUT)
+        assert r.returncode != 0
+        last = r.stderr.strip().splitlines()[-1]
+        assert f"imported the source folder {source}" in last and f"installed torch_ipc in {installed}" in last, r.stderr
+        assert "Run from another directory" in last and "circular import" not in r.stderr, r.stderr
+    assert run_python("import torch_ipc", tmp_path, env).returncode == 0  # from elsewhere: the installed one
 
 
 @pytest.mark.parametrize("built, running, ok", [
@@ -184,6 +203,7 @@ def test_sdist_carries_what_the_readme_points_to(tmp_path):
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     for path in ["LICENSE", "README.md", "setup.py", "pyproject.toml", "build_tools/cuda_headers.py",
                  "build_tools/build_torch.py", "scripts/test", "scripts/gpu-check", "benchmarks/RESULTS.md",
-                 "benchmarks/bench.py", "examples/demo.py", "tests/conftest.py", "csrc/python/module.cpp", "csrc/README.md"]:
+                 "benchmarks/bench.py", "examples/demo.py", "tests/conftest.py", "tests/golden/descriptors_v2.json",
+                 "csrc/python/module.cpp", "csrc/README.md"]:
         assert path in names, path
     assert "torch_ipc/_build_info.py" not in names  # written by each build, for its own torch

@@ -5,6 +5,8 @@
     >>> state = torch_ipc.loads(data)   # in another process: same GPU memory  # doctest: +SKIP
 """
 
+from typing import Any, Union
+
 import torch  # noqa: F401  (loads libc10/libtorch before the extension)
 
 from ._torch_check import check_built_torch, extension_import_error
@@ -13,9 +15,11 @@ check_built_torch()
 try:
     from . import _C
 except ImportError as e:
-    raise extension_import_error(e) from e
+    raise extension_import_error(e, __path__[0]) from None  # the traceback of the failed import says nothing more
 from .mp._reductions import init_reductions, reductions, restore_reductions
-from ._serialize import dumps, loads
+from ._serialize import dumps
+from . import _serialize
+from .mp.handles import reduce_tensor
 from ._export import Export, export
 from .mp.connection import Client, Connection, Listener, connect, listen
 from .mp._ring import Pipe
@@ -28,6 +32,7 @@ from .errors import (
     InFlightLimitError,
     ProducerGoneError,
     ReleasedError,
+    WeightsOnlyError,
 )
 from .ipc_event import IpcEvent
 from .pool import SharedPool
@@ -46,6 +51,7 @@ __all__ = [
     "init_reductions",
     "restore_reductions",
     "reductions",
+    "reduce_tensor",
     "Listener",
     "Client",
     "Connection",
@@ -62,7 +68,41 @@ __all__ = [
     "DeviceNotFoundError",
     "HolderLimitError",
     "InFlightLimitError",
+    "WeightsOnlyError",
 ]
+
+
+def loads(data: Union[bytes, bytearray, memoryview], *, weights_only: bool = True) -> Any:
+    """Rebuild what :func:`dumps` exported, on the same memory.
+
+    ``data``: the ``bytes`` (or a ``bytearray``/``memoryview`` of them) that
+    :func:`dumps` returned.
+
+    ``weights_only=True`` (the default, as ``torch.load``'s since torch 2.6):
+    what the payload holds besides tensors is unpickled with the allow-list
+    of ``torch.load(weights_only=True)``: containers, primitives,
+    ``OrderedDict``, ``torch.dtype``/``device``/``Size``. Anything else raises
+    :class:`WeightsOnlyError` (a ``pickle.UnpicklingError``) before it runs,
+    and the load spends nothing. ``weights_only=False`` unpickles anything:
+    only for bytes from a sender you trust, as with :func:`pickle.loads`
+    (Note [weights_only] in torch_ipc/_serialize.py).
+
+    Raises :class:`DescriptorError` for bytes that are not a valid descriptor of
+    this machine's current boot (empty ones included), :class:`ProducerGoneError`
+    when the producer has exited, :class:`ReleasedError` when the export was
+    already reclaimed, :class:`DeviceNotFoundError` when the GPU is not visible
+    here, :class:`CudaUnavailableError` when it holds CUDA tensors and this
+    process cannot use CUDA, :class:`HolderLimitError` when 14 living processes
+    hold it already, and ``TypeError`` for anything but bytes.
+
+    Example::
+
+        >>> import torch, torch_ipc
+        >>> x = torch.arange(4.0)
+        >>> torch_ipc.loads(torch_ipc.dumps({"x": x}))["x"].data_ptr() == x.data_ptr()
+        True
+    """
+    return _serialize.loads(data, weights_only=weights_only)
 
 
 def stats() -> dict:

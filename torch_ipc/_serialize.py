@@ -13,6 +13,7 @@ other side; any other layout raises a TypeError that names it. A non-leaf
 tensor that requires grad is refused with torch's own message.
 """
 
+import importlib
 import io
 import os
 import pickle
@@ -22,7 +23,7 @@ from typing import Any, List, Optional
 import torch
 
 from . import _C, _runtime
-from .errors import CudaUnavailableError, DescriptorError
+from .errors import CudaUnavailableError, DescriptorError, WeightsOnlyError
 from .pool import isolate_tensors
 
 __all__ = ["dumps", "loads"]
@@ -97,10 +98,63 @@ def _rebuild_sparse(layout, parts, shape, coalesced, requires_grad):
     return t.requires_grad_(requires_grad)
 
 
+# Note [weights_only]
+# loads(data, weights_only=True) unpickles the payload with torch.load's
+# allow-list (torch/_weights_only_unpickler.py: containers, primitives,
+# OrderedDict, torch.dtype/device/Size/layout, torch's tensor rebuild
+# functions, and what torch.serialization.add_safe_globals added), plus the
+# rebuilds torch_ipc itself pickles (sparse and meta tensors, IpcEvent, a KV
+# pool, which check what they are given as any load from a peer). Tensors and
+# storages are references into the descriptor's own tables. The check is in
+# find_class: a global that is not on the list raises pickle.UnpicklingError
+# when the unpickler reaches it, before anything calls it, so no code of the
+# payload's choosing runs. The pickle machine itself is the C one (torch's
+# pure-Python unpickler is ~10x slower and wants protocol 2).
+# The default is True, as torch.load's has been since torch 2.6: a descriptor
+# is bytes that may come from a file, a queue or an HTTP endpoint, and what
+# people load is tensors in containers, which need nothing else. Senders of
+# other objects load with weights_only=False from a sender they trust. The
+# channels torch_ipc authenticates itself (Listener/Client, and the
+# multiprocessing reductions, whose pipes multiprocessing already trusts with
+# full pickle) keep full pickle.
+_TORCH_IPC_GLOBALS = {  # path: module, looked up when met (kv and ipc_event import this module)
+    "torch_ipc._serialize._rebuild_sparse": "torch_ipc._serialize",
+    "torch.multiprocessing.reductions.rebuild_meta_tensor": "torch.multiprocessing.reductions",
+    "torch_ipc.ipc_event._rebuild_ipc_event": "torch_ipc.ipc_event",
+    "torch_ipc.kv._load_pool": "torch_ipc.kv",
+}
+
+
+def _allowed_global(module: str, name: str):
+    """The object ``module.name`` if weights_only loads may use it, else None."""
+    from torch import _weights_only_unpickler as allow
+
+    path = f"{module}.{name}"
+    found = allow._get_allowed_globals().get(path)
+    if found is None and hasattr(allow, "_get_user_allowed_globals"):  # torch >= 2.4
+        found = allow._get_user_allowed_globals().get(path)
+    if found is None and path in _TORCH_IPC_GLOBALS:
+        found = getattr(importlib.import_module(_TORCH_IPC_GLOBALS[path]), name)
+    return found
+
+
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, tensors: List[torch.Tensor]):
+    def __init__(self, file, tensors: List[torch.Tensor], weights_only: bool = False):
         super().__init__(file)
         self._tensors = tensors
+        self._weights_only = weights_only
+
+    def find_class(self, module, name):
+        if not self._weights_only:
+            return super().find_class(module, name)
+        found = _allowed_global(module, name)
+        if found is None:
+            raise WeightsOnlyError(
+                f"torch_ipc.loads(weights_only=True) refused the global {module}.{name} in the payload "
+                "(tensors, containers and the types torch.load(weights_only=True) allows are loaded; "
+                "Note [weights_only] in torch_ipc/_serialize.py). Load with weights_only=False only "
+                f"from a sender you trust, or allow it with torch.serialization.add_safe_globals([{name}])")
+        return found
 
     def persistent_load(self, pid):
         try:
@@ -198,9 +252,12 @@ def dumps(obj: Any, *, consumers: Optional[int] = 1, isolated: bool = False) -> 
     return export_object(obj, consumers=consumers, isolated=isolated).data
 
 
-def export_object(obj: Any, parts=None, *, consumers: Optional[int] = 1, isolated: bool = False) -> "_C.Export":
+def export_object(obj: Any, parts=None, *, consumers: Optional[int] = 1, isolated: bool = False,
+                  while_referenced: bool = False) -> "_C.Export":
     """Split (or take ``parts``, what :func:`split` returned for ``obj``) and
-    export."""
+    export. ``while_referenced``: also keep the export while this process
+    references its tensors (Note [one payload, several loaders] in
+    mp/_reductions.py)."""
     if consumers is None:
         if isolated:
             raise ValueError("torch_ipc: consumers=None cannot be combined with isolated=True")
@@ -208,7 +265,8 @@ def export_object(obj: Any, parts=None, *, consumers: Optional[int] = 1, isolate
     elif type(consumers) is not int or consumers < 1:
         raise ValueError(f"consumers must be None or an int of at least 1, not {consumers!r}")
     tensors, parameters, payload = parts if parts is not None else split(obj)
-    return export(tensors, parameters, payload, consumers=consumers, isolated=isolated)
+    return export(tensors, parameters, payload, consumers=consumers, isolated=isolated,
+                  while_referenced=while_referenced)
 
 
 def split(obj: Any, *, protocol=pickle.HIGHEST_PROTOCOL):
@@ -229,14 +287,15 @@ def plain_pickle(payload: bytes):
     return memoryview(payload)[1:]
 
 
-def export(tensors, parameters, payload: bytes, *, consumers: int = 1, isolated: bool = False) -> "_C.Export":
+def export(tensors, parameters, payload: bytes, *, consumers: int = 1, isolated: bool = False,
+           while_referenced: bool = False) -> "_C.Export":
     """Export what :func:`split` returned: an ``_C.Export`` whose ``.data`` is
     the descriptor, and whose ``revoke()`` gives back what nobody will load."""
     _runtime.ensure_started()
     _runtime.check_not_shut_down()
     if isolated:
         tensors = isolate_tensors(tensors)
-    return _C.export_tensors(tensors, parameters, payload, consumers)
+    return _C.export_tensors(tensors, parameters, payload, consumers, while_referenced)
 
 
 _cuda_ready = False
@@ -266,21 +325,16 @@ def _ensure_cuda() -> None:
     _cuda_ready = True
 
 
-def loads(data: bytes) -> Any:
-    """Rebuild what :func:`dumps` exported, on the same memory.
-
-    Raises :class:`DescriptorError` for bytes that are not a valid descriptor of
-    this machine's current boot, :class:`ProducerGoneError` when the producer
-    has exited, :class:`ReleasedError` when the export was already reclaimed and
-    :class:`DeviceNotFoundError` when the GPU is not visible here.
-
-    The payload is unpickled: load descriptors only from peers you trust, as
-    with :func:`pickle.loads`.
-    """
+def loads(data: bytes, *, weights_only: bool = False) -> Any:
+    """:func:`torch_ipc.loads`, with full pickle by default: for the channels
+    torch_ipc authenticates itself (Note [weights_only])."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"torch_ipc.loads() takes the bytes that dumps() returned, not {type(data).__name__}"
                         + ("; keep descriptors as bytes (files opened 'rb'/'wb')" if isinstance(data, str) else ""))
     data = bytes(data)
+    if not data:
+        raise DescriptorError("torch_ipc.loads() got empty bytes, not a descriptor: whatever carried it "
+                              "delivered nothing (an empty file, message or read)")
     _runtime.ensure_started()
     # One crossing: a malformed descriptor is a DescriptorError before CUDA is
     # asked for, and _ensure_cuda runs only for one that holds CUDA tensors. A
@@ -288,7 +342,7 @@ def loads(data: bytes) -> Any:
     # load spends last] in core/import.cpp): the tensors die with their holds,
     # and the token stays for a retry. Only a complete load commits.
     tensors, is_parameter, payload, pending = _C.load(data, None if _cuda_ready else _ensure_cuda)
-    obj = _rebuild(tensors, is_parameter, payload)
+    obj = _rebuild(tensors, is_parameter, payload, weights_only)
     pending.commit()
     return obj
 
@@ -318,7 +372,7 @@ def load_single_tensor(data: bytes) -> torch.Tensor:
     return tensors[0]
 
 
-def _rebuild(tensors, is_parameter, payload: bytes) -> Any:
+def _rebuild(tensors, is_parameter, payload: bytes, weights_only: bool) -> Any:
     """The object of a payload, on the tensors of its load."""
     for i, is_param in enumerate(is_parameter):
         if is_param:
@@ -333,11 +387,13 @@ def _rebuild(tensors, is_parameter, payload: bytes) -> Any:
         elif tag == _TUPLE:
             return tuple(tensors)
         elif tag == _DICT:
-            keys = pickle.loads(payload[1:])
+            keys = _Unpickler(io.BytesIO(payload[1:]), [], weights_only).load()
             if type(keys) is list and len(keys) == len(tensors):
                 return dict(zip(keys, tensors))
         elif tag == _PICKLED:
-            return _Unpickler(io.BytesIO(payload[1:]), tensors).load()
+            return _Unpickler(io.BytesIO(payload[1:]), tensors, weights_only).load()
+    except WeightsOnlyError:
+        raise
     except Exception as e:
         raise DescriptorError(f"torch_ipc descriptor payload does not unpickle: {e!r}") from e
     raise DescriptorError("malformed torch_ipc descriptor: the payload does not match its tensors")

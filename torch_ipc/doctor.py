@@ -65,8 +65,12 @@ def check_versions() -> List[Row]:
     from . import _C
 
     cuda = torch.version.cuda or "none (CPU build)"
+    try:
+        from ._build_info import TORCH_VERSION as built_with
+    except ImportError:
+        built_with = "unrecorded"
     rows = [Row("torch and torch_ipc", OK, f"torch {torch.__version__}, CUDA build {cuda}, python {sys.version.split()[0]}, "
-                f"torch_ipc extension {os.path.basename(_C.__file__)}")]  # fmt: skip
+                f"torch_ipc extension {_C.__file__} (built against torch {built_with})")]  # fmt: skip
     driver_ok, why = _C.cuda_available()
     gpus = _has_nvidia_gpu()
     if driver_ok:

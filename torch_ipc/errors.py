@@ -1,5 +1,7 @@
 """The exceptions torch_ipc raises. Each subclasses the builtin it resembles."""
 
+import pickle
+
 __all__ = [
     "DescriptorError",
     "CudaError",
@@ -10,6 +12,7 @@ __all__ = [
     "HolderLimitError",
     "InFlightLimitError",
     "PoolCorruptedError",
+    "WeightsOnlyError",
 ]
 
 
@@ -65,3 +68,9 @@ class PoolCorruptedError(RuntimeError):
     """A KV pool's shared memory holds what no pool operation writes (a
     process attached to it wrote into it): the operation was refused. Raised by :mod:`torch_ipc.kv` as
     ``torch_ipc.kv.PoolCorruptedError``."""
+
+
+class WeightsOnlyError(pickle.UnpicklingError):
+    """``loads(data, weights_only=True)`` met something in the payload that is
+    not a tensor, a container or a type ``torch.load(weights_only=True)``
+    allows; nothing of it was run."""

@@ -46,6 +46,13 @@ int64_t steady_now_ns() {
 // forwarder's own hold at the owner lasts as long as it keeps the tensor,
 // which is the same rule one step up. Not the default: `q.put(x * 2)` drops
 // the tensor before anyone loads it (Note [consumers=None] in _serialize.py).
+//
+// `while_referenced` with consumers >= 1 joins the two rules, which is what
+// torch gives a payload that a ForkingPickler instance pickled (Note [one
+// payload, several loaders] in mp/_reductions.py): the record is kept while
+// the producer references the storages (any number of loads), and the
+// counted tokens keep it after that until the first `consumers` loads came
+// and released. Its forwarded leases carry deliveries, as a counted export's.
 
 // Leases of several owners: the owner's identity is part of the key.
 using LeaseKey = std::tuple<uint32_t, uint64_t, uint32_t, uint32_t, uint64_t>;
@@ -207,10 +214,10 @@ void record_events(Descriptor& d, const std::map<int, uint16_t>& devices) {
 // Nothing here may fail without giving back what was taken.
 std::shared_ptr<Export> attach_leases_and_encode(Descriptor& d, TableBuilder& tables,
                                                  std::unique_ptr<ExportRecord> record,
-                                                 uint32_t consumers) {
+                                                 uint32_t consumers, bool while_referenced) {
   const bool open_ended = consumers == 0;
   if (open_ended) d.flags |= kOpenEnded;
-  record->open_ended = open_ended;
+  record->open_ended = open_ended || while_referenced;
   std::optional<LeaseRecord> own;
   if (!record->storages.empty()) {
     own = record->lease = lease_acquire(consumers);
@@ -281,7 +288,8 @@ void Export::forbid_loads() {
 
 std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
                                        const std::vector<bool>& is_parameter,
-                                       const std::string& payload, uint32_t consumers) {
+                                       const std::string& payload, uint32_t consumers,
+                                       bool while_referenced) {
   TORCH_IPC_CHECK(is_parameter.empty() || is_parameter.size() == tensors.size(),
               "torch_ipc: is_parameter must have one entry per tensor");
   MessageStorages message = collect_storages(tensors);
@@ -307,7 +315,7 @@ std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
     d.tensors.push_back(tensor_record(tensors[i], message.of_tensor[i],
                                       !is_parameter.empty() && is_parameter[i]));
   record_events(d, tables.devices);
-  return attach_leases_and_encode(d, tables, std::move(record), consumers);
+  return attach_leases_and_encode(d, tables, std::move(record), consumers, while_referenced);
 }
 
 int collect_exports() {

@@ -55,9 +55,11 @@ bool shared_natively(const at::Tensor& t);
 
 // `is_parameter[i]`: rebuild tensor i as an nn.Parameter (Python knows, C++ does not).
 // `consumers`: loads to wait for; 0 for an open-ended export (Note [open-ended exports]).
+// `while_referenced`: also keep it while this process references the storages.
 std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
                                        const std::vector<bool>& is_parameter,
-                                       const std::string& payload, uint32_t consumers);
+                                       const std::string& payload, uint32_t consumers,
+                                       bool while_referenced = false);
 
 // Reclaim exports whose tokens are spent and whose holders released or died,
 // and drop the VMM exports and cached locations of storages that died.

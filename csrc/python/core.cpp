@@ -91,7 +91,7 @@ void bind_core(py::module_& m) {
       .def("forbid_loads", &Export::forbid_loads,
            "revoke(), and refuse every load from now on (torch_ipc.Export.revoke)");
   m.def("export_tensors", &export_tensors, py::arg("tensors"), py::arg("is_parameter"),
-        py::arg("payload"), py::arg("consumers") = 1);
+        py::arg("payload"), py::arg("consumers") = 1, py::arg("while_referenced") = false);
   // Note [one shareability rule] in core/export.cpp: one tensor, or all of a list.
   m.def("shared_natively", &shared_natively, py::arg("tensor"));
   m.def(

@@ -29,6 +29,21 @@ every new Process copies and which a child started with 'spawn' or
 reductions on in the child (and its children in turn). A forked child
 inherits them with the rest of its parent's memory.
 
+Note [one payload, several loaders]
+What a ForkingPickler INSTANCE pickles (``ForkingPickler(buf).dump(obj)``,
+as SGLang's MultiprocessingSerializer does, then ``ForkingPickler.loads`` in
+every tensor-parallel rank) is bytes the caller may load in several
+processes, which torch allows for CUDA tensors. So the per-type reducers
+export each tensor ``while_referenced`` with one counted load: any number of
+loads while this process references the tensor, and the first load after it
+dropped it (all that torch's limbo gives). A message of
+``ForkingPickler.dumps`` (Queue, Pipe, Pool) has one reader and keeps its
+counted lifetime, also where the per-type reducers pickle it (a relay
+without init_reductions, Note [torch never sees our storages]): that is why
+``ForkingPickler.dumps`` marks the thread while it runs. The cost: each
+instance-pickled export lives, with its lease slot, as long as its tensor;
+a payload made per step of long-lived weights adds one per tensor per step.
+
 What a message exported is tied to the connection that sends it (Note
 [unread messages] in _channels.py).
 """
@@ -36,6 +51,7 @@ What a message exported is tied to the connection that sends it (Note
 import contextlib
 import multiprocessing.process
 import pickle
+import threading
 from multiprocessing import connection as _mpc
 from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Iterator, Optional
@@ -69,8 +85,28 @@ class _Message:
         return (_rebuild, (self.descriptor,))
 
 
+_in_message = threading.local()  # .depth > 0 inside ForkingPickler.dumps
+
+
 def _reduce_one(obj):
-    return (_rebuild, (_serialize.dumps(obj),))
+    """The per-type reducer (Note [one payload, several loaders])."""
+    one_reader = getattr(_in_message, "depth", 0) > 0
+    return (_rebuild, (_serialize.export_object(obj, while_referenced=not one_reader).data,))
+
+
+def _counted(dumps):
+    """``ForkingPickler.dumps`` marking the thread as pickling one message."""
+
+    def message_dumps(cls, obj, protocol=None):
+        depth = getattr(_in_message, "depth", 0)
+        _in_message.depth = depth + 1
+        try:
+            return dumps(cls, obj, protocol)
+        finally:
+            _in_message.depth = depth
+
+    message_dumps.counted = True
+    return message_dumps
 
 
 def _dumps(cls, obj, protocol=None):
@@ -120,6 +156,10 @@ def _guarded(torch_reducer: Optional[Callable]) -> Callable:
 def _install_guards() -> None:
     import torch.multiprocessing  # noqa: F401  (registers torch's reducers first, to wrap them)
 
+    dumps = getattr(ForkingPickler.__dict__.get("dumps"), "__func__", None)  # None: not the classmethod it was
+    if dumps is not None and not getattr(dumps, "counted", False):
+        ForkingPickler.dumps = classmethod(_counted(dumps))
+
     for t in _REDUCED_TYPES:
         reducer = ForkingPickler._extra_reducers.get(t)
         if getattr(reducer, "torch_reducer", False) is False:  # not wrapped yet
@@ -156,7 +196,7 @@ def init_reductions() -> None:
     originals = {t: ForkingPickler._extra_reducers.get(t) for t in _REDUCED_TYPES}
     send_bytes = _mpc.Connection.__dict__["_send_bytes"]
     _saved = (ForkingPickler.__dict__["dumps"], originals, send_bytes)
-    ForkingPickler.dumps = classmethod(_dumps)
+    ForkingPickler.dumps = classmethod(_counted(_dumps))
     _mpc.Connection._send_bytes = _tracked_send_bytes(send_bytes)
     for t in _REDUCED_TYPES:
         ForkingPickler.register(t, _reduce_one)
