@@ -5,6 +5,7 @@ they live at module level; the children import this module by name (pytest's
 default ``prepend`` import mode puts tests/ on sys.path, and the children get
 the parent's sys.path). Nothing here touches CUDA at import time.
 """
+import contextlib
 import gc
 import os
 import secrets
@@ -340,3 +341,32 @@ def process_gone(pid: int, within: float = 10.0) -> bool:
             return False
         time.sleep(0.05)
 
+
+# ----------------------------------------------------------------------------- in the test's own process
+
+
+def collect_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Collect until predicate() is true; False if it never becomes so."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        gc.collect()
+        torch_ipc.collect()
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@contextlib.contextmanager
+def running(p, timeout: float = 120.0):
+    """Start multiprocessing process p; join it at the end of the block (it must
+    exit cleanly), killing it if it is still there."""
+    p.start()
+    try:
+        yield p
+        p.join(timeout)
+        assert p.exitcode == 0, p.exitcode
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join()
