@@ -64,8 +64,10 @@ fixtures
 * ``ipc_spawn``: :func:`run_in_subprocess` with the default timeout;
 
 and the markers ``cuda`` and ``gpus(n)``, which skip a test on a machine without
-a GPU or with fewer than ``n``. ``TORCH_IPC_TEST_TIMEOUT`` (seconds, default
-60) sets the fixtures' default timeout.
+a GPU or with fewer than ``n``, and ``serial``: under pytest-xdist the test
+runs while no other test does (Note [serial tests] in _serial.py).
+``TORCH_IPC_TEST_TIMEOUT`` (seconds, default 60) sets the fixtures' default
+timeout.
 """
 from __future__ import annotations
 
@@ -78,6 +80,7 @@ from __future__ import annotations
 #   _peer         Peer
 #   _group        PeerGroup
 #   _run          run_in_subprocess
+#   _serial       the `serial` marker's lock under pytest-xdist
 #   _plugin       the pytest markers and fixtures (re-exported below, where
 #                 `pytest -p torch_ipc.testing` looks for them)
 from ._errors import PeerError, PeerTimeout
@@ -93,6 +96,7 @@ try:
         ipc_spawn,
         pytest_collection_modifyitems,
         pytest_configure,
+        pytest_runtest_protocol,
     )
 except ImportError:  # no pytest: the helpers work without it, the plugin needs it
     pass

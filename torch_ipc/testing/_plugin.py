@@ -1,7 +1,7 @@
-"""The opt-in pytest plugin: the markers ``cuda`` and ``gpus(n)``, and the
-fixtures ``ipc_peer``, ``ipc_peers`` and ``ipc_spawn``. torch_ipc.testing
-re-exports its hooks and fixtures, so that ``pytest -p torch_ipc.testing``
-finds them."""
+"""The opt-in pytest plugin: the markers ``cuda``, ``gpus(n)`` and ``serial``,
+and the fixtures ``ipc_peer``, ``ipc_peers`` and ``ipc_spawn``.
+torch_ipc.testing re-exports its hooks and fixtures, so that
+``pytest -p torch_ipc.testing`` finds them."""
 from __future__ import annotations
 
 import functools
@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator, List, Optional
 from ._group import PeerGroup
 from ._peer import Peer
 from ._run import run_in_subprocess
+from ._serial import turn
 
 _gpu_count: Optional[int] = None
 
@@ -79,6 +80,17 @@ if pytest is not None:
     def pytest_configure(config: Any) -> None:
         config.addinivalue_line("markers", "cuda: the test needs a CUDA GPU (skipped without one)")
         config.addinivalue_line("markers", "gpus(n): the test needs at least n CUDA GPUs (skipped with fewer)")
+        config.addinivalue_line("markers", "serial: under pytest-xdist, the test runs while no other test does "
+                                "(it measures something the machine shares: free GPU memory, time)")
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item: Any, nextitem: Any) -> Iterator[None]:
+        if not os.environ.get("PYTEST_XDIST_WORKER"):
+            yield  # one process: every test already runs alone
+            return
+        folder = str(item.config._tmp_path_factory.getbasetemp().parent)  # shared by the run's workers
+        with turn(folder, serial=item.get_closest_marker("serial") is not None):
+            yield
 
     def pytest_collection_modifyitems(session: Any, config: Any, items: List[Any]) -> None:
         for item in items:
