@@ -5,6 +5,7 @@ they live at module level; the children import this module by name (pytest's
 default ``prepend`` import mode puts tests/ on sys.path, and the children get
 the parent's sys.path). Nothing here touches CUDA at import time.
 """
+import contextlib
 import gc
 import os
 import secrets
@@ -33,18 +34,6 @@ def loads(data: bytes) -> Any:
     objects besides tensors, so full pickle (tests/test_weights_only.py tests
     the default, weights_only=True)."""
     return torch_ipc.loads(data, weights_only=False)
-
-
-def wait_collected(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    """Collect until predicate() is true; False if it never becomes so."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        gc.collect()
-        torch_ipc.collect()
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def _usable(dtype: torch.dtype, device: str) -> bool:
@@ -400,3 +389,33 @@ def plant_as_uid(uid: int, path: str, content: bytes, mode: int = 0o666) -> int:
     finally:
         os.close(fd)
     return os.stat(path).st_uid
+
+
+# ----------------------------------------------------------------------------- in the test's own process
+
+
+def collect_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Collect until predicate() is true; False if it never becomes so."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        gc.collect()
+        torch_ipc.collect()
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@contextlib.contextmanager
+def running(p, timeout: float = 120.0):
+    """Start multiprocessing process p; join it at the end of the block (it must
+    exit cleanly), killing it if it is still there."""
+    p.start()
+    try:
+        yield p
+        p.join(timeout)
+        assert p.exitcode == 0, p.exitcode
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join()

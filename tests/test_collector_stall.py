@@ -5,6 +5,7 @@ loop in the producer's main thread never waits long for the GIL while the
 collector looks at all of them every 50 ms. CPU tensors."""
 import time
 
+import pytest
 import torch
 
 import ipc_test_utils as u
@@ -44,6 +45,7 @@ def _collect_seconds() -> float:
     return time.perf_counter() - start
 
 
+@pytest.mark.serial  # measures the main thread's stalls: other tests' load would add to them
 def test_held_exports_do_not_stall_the_main_thread(ipc_peer):
     with Peer(timeout=300, name="stall-consumer") as consumer:
         assert consumer.call(_load_all, ipc_peer.call(_export_many, EXPORTS)) == EXPORTS

@@ -206,6 +206,7 @@ def test_malformed_request_is_refused_and_server_keeps_serving(producer):
     assert producer.call(_stats)["fd_refused"] == refused + 1
 
 
+@pytest.mark.serial  # the sweep keeps a pidfd per live process whose files it sees: other tests' add fds
 def test_no_fd_leaks_on_either_side():
     # A producer of its own: what earlier tests left to a shared one (connections
     # its server closes when it gets to them) would change its count under us.

@@ -55,9 +55,23 @@ def copy_of_this_package(folder: Path, torch_version: str) -> Path:
     return pkg
 
 
+# Note [only the copy imports]
+# An editable install (pip install -e .) puts a finder of setuptools' at the end
+# of sys.meta_path that maps torch_ipc and its modules to the source tree. The
+# copy on PYTHONPATH is found first, but a module the copy lacks (the _C a test
+# deleted) would then be found by that finder, in the source tree. So the child
+# drops the finders of editable installs before it imports: it sees exactly the
+# copy, as it would under a regular install.
+ONLY_THE_COPY = (
+    "import sys\n"
+    "sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, '__module__', '').startswith('__editable__')]\n"
+)
+
+
 def import_copy(folder: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(folder))
-    return run_python("import torch_ipc; print(torch_ipc.__file__); torch_ipc.stats()", folder, env)
+    code = ONLY_THE_COPY + "import torch_ipc; print(torch_ipc.__file__); torch_ipc.stats()"
+    return run_python(code, folder, env)
 
 
 def test_import_refuses_an_extension_built_against_another_torch(tmp_path):

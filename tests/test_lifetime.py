@@ -1,7 +1,8 @@
 """Export lifetime across processes: a producer keeps an export while consumers
 hold it, reclaims it when they release or die, counts loads (consumers=N),
 refuses loads after reclaim, and a consumer can tell a dead producer; many
-share/release cycles leak nothing. On CPU tensors everywhere; on CUDA (marked
+share/release cycles leak nothing; an open-ended export (consumers=None) has
+any number of readers and ends once the producer and every reader dropped it. On CPU tensors everywhere; on CUDA (marked
 ``cuda``, skipped without a GPU) also: memory returns to the caching allocator
 once consumers release or die, GPUs are found by UUID, a resent tensor shows
 its new values, received tensors can be forwarded, and expandable-segment
@@ -15,6 +16,7 @@ import torch
 
 import ipc_test_utils as u
 import torch_ipc
+from torch_ipc import _serialize
 from torch_ipc.testing import Peer, PeerError
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -257,6 +259,95 @@ def test_consumer_does_not_keep_freed_host_memory_mapped(producer, consumers):
         producer.call(_cpu_producer_state)
     deleted, s = c1.call(_consumer_maps)
     assert deleted <= 16, f"the consumer keeps {deleted} mappings of freed shared memory: {s}"
+
+
+# ----------------------------------------------------------------------------- open-ended exports (consumers=None)
+
+
+def _load_write_check(key, data, index):
+    y = torch_ipc.loads(data)
+    u.HELD[key] = y
+    y[index] = index + 1
+    if y.is_cuda:
+        torch.cuda.synchronize()
+    return u.fingerprint(y)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_open_ended_descriptor_has_any_number_of_readers(device, ipc_peers):
+    x = torch.zeros(8, device=device)
+    tokens_before = torch_ipc.stats()["tokens_pending"]
+    export = _serialize.export_object(x, consumers=None)
+    for round_ in range(2):
+        for i, name in enumerate(("a", "b", "c")):
+            ipc_peers.get(name).call(_load_write_check, "x", export.data, i)
+            ipc_peers.get(name).call(u.drop, "x")  # released: the next reader loads after it
+        torch_ipc.collect()
+        assert export.live, f"round {round_}: reclaimed while the producer holds x"
+    expected = torch.zeros(8)
+    expected[:3] = torch.tensor([1.0, 2.0, 3.0])
+    assert torch.equal(x.cpu(), expected)
+    assert torch_ipc.stats()["tokens_pending"] == tokens_before  # it asks for no count of loads
+    del x
+    assert u.collect_until(lambda: not export.live), "not reclaimed after the producer dropped x"
+    assert ipc_peers.get("a").call(u.try_load, export.data)[0] == "ReleasedError"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_open_ended_export_outlives_its_producers_reference_while_read(device, ipc_peers):
+    x = torch.zeros(8, device=device)
+    export = _serialize.export_object(x, consumers=None)
+    ipc_peers.get("a").call(_load_write_check, "x", export.data, 0)
+    del x  # only reader a holds it now
+    torch_ipc.collect()
+    time.sleep(0.1)
+    torch_ipc.collect()
+    assert export.live, "reclaimed under a reader"
+    ipc_peers.get("b").call(_load_write_check, "x", export.data, 1)  # a new reader still gets in
+    assert ipc_peers.get("a").call(u.held_fingerprint, "x") == ipc_peers.get("b").call(u.held_fingerprint, "x")
+    ipc_peers.get("a").call(u.drop, "x")
+    torch_ipc.collect()
+    assert export.live, "reclaimed while reader b holds it"
+    ipc_peers.get("b").call(u.drop, "x")
+    assert u.collect_until(lambda: not export.live), "not reclaimed once every reader released it"
+    assert ipc_peers.get("c").call(u.try_load, export.data)[0] == "ReleasedError"
+
+
+def test_open_ended_export_of_a_tensor_sent_twice_still_ends():
+    x = torch.zeros(8)
+    open_ended = _serialize.export_object(x, consumers=None)
+    counted = _serialize.export_object(x, consumers=1)  # the records' own references are not the producer's
+    del x
+    assert u.collect_until(lambda: not open_ended.live)
+    assert counted.live  # still waits for its one load
+    counted.revoke()
+    assert u.collect_until(lambda: not counted.live)
+
+
+def _relay_open_ended(d):
+    y = torch_ipc.loads(d)
+    u.HELD["y"] = y
+    return torch_ipc.dumps(y, consumers=None)
+
+
+def test_open_ended_forwarding_lets_many_load_while_the_relay_holds(ipc_peers):
+    x = torch.zeros(8)
+    d = torch_ipc.dumps(x)
+    d2 = ipc_peers.get("relay").call(_relay_open_ended, d)
+    for i, name in enumerate(("a", "b", "c")):
+        ipc_peers.get(name).call(_load_write_check, "x", d2, i)
+        ipc_peers.get(name).call(u.drop, "x")
+    assert torch.equal(x[:3], torch.tensor([1.0, 2.0, 3.0]))
+    ipc_peers.get("relay").call(u.drop, "y")
+    assert u.collect_until(lambda: torch_ipc.stats()["exports"] == 0 or torch_ipc.stats()["holders"] == 0)
+
+
+def test_consumers_must_be_none_or_positive():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="consumers"):
+            torch_ipc.dumps(torch.ones(1), consumers=bad)
+    with pytest.raises(ValueError, match="isolated"):
+        torch_ipc.dumps(torch.ones(1), consumers=None, isolated=True)
 
 
 # ----------------------------------------------------------------------------- CUDA

@@ -28,7 +28,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 SPAWN = {"TORCH_IPC_TEST_SPAWNED": "1"}  # an env= makes run_in_subprocess spawn a fresh interpreter
 
 
-_wait = u.wait_collected
+_wait = u.collect_until
 
 
 def _settled_exports() -> int:

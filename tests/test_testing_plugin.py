@@ -463,3 +463,61 @@ def test_plugin_opt_in(pytester, how):
         result.assert_outcomes(passed=1, skipped=2)
     else:
         result.assert_outcomes(passed=2, skipped=1)
+
+
+_SERIAL_SUITE = '''
+import os, time, pytest
+
+LOG = os.environ["SERIAL_LOG"]
+
+
+def _note(what):
+    with open(LOG, "a") as f:
+        f.write(f"{what} {time.monotonic()!r}\\n")
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_ordinary(i):
+    _note(f"start ordinary-{i}")
+    time.sleep(0.2)
+    _note(f"end ordinary-{i}")
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("i", range(2))
+def test_alone(i):
+    _note(f"start alone-{i}")
+    time.sleep(0.3)
+    _note(f"end alone-{i}")
+'''
+
+
+def _intervals(log):
+    """{test: (start, end)} from the lines the suite wrote."""
+    out = {}
+    for line in log.read_text().splitlines():
+        edge, name, when = line.split()
+        start, end = out.get(name, (None, None))
+        out[name] = (float(when), end) if edge == "start" else (start, float(when))
+    return out
+
+
+def test_serial_tests_run_alone_under_xdist(pytester, tmp_path, monkeypatch):
+    pytest.importorskip("xdist")
+    log = tmp_path / "log"
+    monkeypatch.setenv("SERIAL_LOG", str(log))
+    pytester.makepyfile(test_theirs=_SERIAL_SUITE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "torch_ipc.testing", "-n", "3",
+                                           "--strict-markers")
+    result.assert_outcomes(passed=8)
+    spans = _intervals(log)
+    assert len(spans) == 8, spans
+    for name, (start, end) in spans.items():
+        if not name.startswith("alone"):
+            continue
+        overlapping = [o for o, (s, e) in spans.items() if o != name and s < end and e > start]
+        assert overlapping == [], f"{name} ran while {overlapping} did"
+    ordinary = [o for o in spans if o.startswith("ordinary")]
+    together = [(a, b) for a in ordinary for b in ordinary
+                if a < b and spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]]
+    assert together, f"no two ordinary tests ran at once (the lock serialised everything): {spans}"

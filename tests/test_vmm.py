@@ -407,6 +407,7 @@ def test_memory_outlives_sigkilled_producer(consumer, how):
 
 
 @pytest.mark.cuda
+@pytest.mark.serial  # free GPU memory is the device's: another test's allocations would move it
 def test_share_release_cycles_do_not_leak(producer, consumer):
     for i in range(20):  # warm up: contexts, caches, collector threads
         assert consumer.call(_cycle_consume, producer.call(_cycle_produce, i), i)

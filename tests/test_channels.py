@@ -1,21 +1,27 @@
-"""torch_ipc inside the tools people already use: multiprocessing Queue, Pipe,
-Pool and connection, and torch_ipc's own Listener/Client. Runs on CPU tensors
-everywhere and on CUDA tensors where a GPU is present."""
+"""Tensors through channels: the tools people already use (multiprocessing
+Queue, Pipe, Pool and connection) and torch_ipc's own Listener/Client; what
+was sent to a reader that died unread is given back (Note [unread messages]
+in torch_ipc/mp/_channels.py), and stats() shows the live exports with their
+age meanwhile. Runs on CPU tensors everywhere and on CUDA tensors where a GPU
+is present."""
 import multiprocessing as mp
 import os
 import pickle
 import signal
+import subprocess
 import time
-from multiprocessing import AuthenticationError
+from multiprocessing import AuthenticationError, Pipe
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
 
+import ipc_test_utils as u
 import torch_ipc
 from torch_ipc.testing import Peer
 
 TIMEOUT = 60
+RECLAIM_S = 5.0  # how long a producer may take to notice
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -361,3 +367,41 @@ def test_send_then_close_still_delivers(ipc_peers):
         conn.close()
         # the client reads only now, after the sender has closed its end
         assert client.call(_client_recv_late) == x.tolist()
+
+
+# ---------------------------------------------------------------- messages nobody reads
+
+
+def _send_unread(count: int, duplex: bool):
+    """Send `count` tensors through a Pipe whose only reader is a process that
+    never reads; return its pid and the exports it holds up."""
+    torch_ipc.init_reductions()
+    reader_end, writer_end = Pipe(duplex=duplex)
+    reader = subprocess.Popen(["sleep", "600"], pass_fds=[reader_end.fileno()])
+    reader_end.close()  # the reader process has the only reading end
+    for i in range(count):
+        writer_end.send(torch.full((1000,), i, dtype=torch.int64))
+    u.HELD["unread"] = (writer_end, reader)
+    return reader.pid, torch_ipc.stats()
+
+
+def _reap_reader() -> int:
+    writer_end, reader = u.HELD["unread"]
+    return reader.wait(120)
+
+
+@pytest.mark.parametrize("duplex", [False, True], ids=["pipe", "socketpair"])
+def test_messages_of_a_dead_reader_are_given_back(ipc_peer, duplex):
+    count = 10
+    reader, s = ipc_peer.call(_send_unread, count, duplex)
+    assert s["exports"] == count and s["tokens_pending"] == count, s
+    time.sleep(0.3)  # several collections: a living reader keeps its messages
+    s = ipc_peer.call(u.stats)
+    assert s["exports"] == count, f"given back while the reader lives: {s}"
+    oldest = s["oldest_exports"]
+    assert len(oldest) == count and all(e["age_s"] >= 0.3 and e["bytes"] == 8000 for e in oldest), oldest
+    assert [e["age_s"] for e in oldest] == sorted((e["age_s"] for e in oldest), reverse=True)
+    os.kill(reader, signal.SIGKILL)
+    assert ipc_peer.call(_reap_reader) == -signal.SIGKILL
+    s = ipc_peer.call(u.wait_for_stats, "exports", 0, RECLAIM_S)
+    assert s["exports"] == 0 and s["oldest_exports"] == [], f"kept after the reader died: {s}"
