@@ -81,10 +81,20 @@ class Transport:
         return self._dist.broadcast(tensor, src=src, group=self.group, async_op=True)
 
     def send(self, tensor: torch.Tensor, dst: int):
+        if self._through_host(tensor):
+            return _Staged(self._dist.isend(tensor.cpu(), dst=dst, group=self.group))
         return self._dist.isend(tensor, dst=dst, group=self.group)
 
     def recv(self, tensor: torch.Tensor, src: int):
+        if self._through_host(tensor):
+            host = torch.empty(tensor.shape, dtype=tensor.dtype)
+            return _Staged(self._dist.irecv(host, src=src, group=self.group), host, tensor)
         return self._dist.irecv(tensor, src=src, group=self.group)
+
+    def _through_host(self, tensor: torch.Tensor) -> bool:
+        # gloo's point-to-point calls take host memory only (a CUDA tensor
+        # fails with EFAULT); its broadcast takes CUDA tensors as they are.
+        return tensor.device.type == "cuda" and "nccl" not in self.backend
 
     # ------------------------------------------------------------- small messages
 
@@ -149,3 +159,18 @@ class Transport:
         if n > room:
             self.recv(data[room:], src).wait()
         return self._decode(data)
+
+
+class _Staged:
+    """A send or receive that goes through host memory: wait() also copies a
+    received host buffer into its destination."""
+
+    def __init__(self, work: Any, host: Optional[torch.Tensor] = None, into: Optional[torch.Tensor] = None):
+        self._work, self._host, self._into = work, host, into
+
+    def wait(self) -> bool:
+        self._work.wait()
+        if self._into is not None:
+            self._into.copy_(self._host)
+            self._into = None
+        return True
