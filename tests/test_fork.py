@@ -186,10 +186,13 @@ def test_fork_pool_created_after_use_fills_shared_buffers_in_place():
         assert torch.equal(b, torch.full((1000,), float(i + 1))), i
 
 
-def _echo_plus_one(inbox, outbox):
+def _echo_plus_one(inbox, outbox, loaded):
     x = inbox.get(timeout=TIMEOUT)
     x.add_(1)  # in place: the parent sees it
     outbox.put(torch.arange(5.0) * 3)  # a tensor of the child's own
+    # A producer's exports end with it (a load after its exit is refused):
+    # stay until the parent has loaded.
+    assert loaded.wait(TIMEOUT)
 
 
 FORK_WHILE_COLLECTING = """
@@ -228,11 +231,12 @@ def test_default_context_process_shares_cpu_tensors_both_ways():
     ctx = mp.get_context("fork")
     with torch_ipc.reductions():
         torch_ipc.dumps(torch.ones(1))
-        inbox, outbox = ctx.Queue(), ctx.Queue()
-        with u.running(ctx.Process(target=_echo_plus_one, args=(inbox, outbox))):
+        inbox, outbox, loaded = ctx.Queue(), ctx.Queue(), ctx.Event()
+        with u.running(ctx.Process(target=_echo_plus_one, args=(inbox, outbox, loaded))):
             x = torch.zeros(16)
             inbox.put(x)
             y = outbox.get(timeout=TIMEOUT)
+            loaded.set()
     assert torch.equal(x, torch.ones(16))
     assert torch.equal(y, torch.arange(5.0) * 3)
     assert _C.is_torch_ipc_storage(y)
