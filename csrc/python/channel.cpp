@@ -12,28 +12,34 @@ namespace torch_ipc::python {
 
 namespace {
 
+// The bytes of a Python buffer, held while the view lives.
+class BufferView {
+ public:
+  explicit BufferView(const py::object& data) {
+    if (PyObject_GetBuffer(data.ptr(), &view_, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+  }
+  ~BufferView() { PyBuffer_Release(&view_); }
+  BufferView(const BufferView&) = delete;
+  BufferView& operator=(const BufferView&) = delete;
+  const void* data() const { return view_.buf; }
+  size_t size() const { return size_t(view_.len); }
+
+ private:
+  Py_buffer view_;
+};
+
 void send_bytes(Channel& channel, const py::object& data) {
-  Py_buffer view;
-  if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
-  struct Release {
-    Py_buffer* v;
-    ~Release() { PyBuffer_Release(v); }
-  } release{&view};
+  BufferView view(data);
   py::gil_scoped_release no_gil;
-  channel.send(view.buf, size_t(view.len));
+  channel.send(view.data(), view.size());
 }
 
 // send_bytes that gives up after `timeout` seconds (Channel::send_within).
 int64_t send_bytes_within(Channel& channel, const py::object& data, double timeout) {
-  Py_buffer view;
-  if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
-  struct Release {
-    Py_buffer* v;
-    ~Release() { PyBuffer_Release(v); }
-  } release{&view};
+  BufferView view(data);
   const int64_t ns = timeout <= 0 ? 0 : int64_t(timeout * 1e9);
   py::gil_scoped_release no_gil;
-  return channel.send_within(view.buf, size_t(view.len), ns);
+  return channel.send_within(view.data(), view.size(), ns);
 }
 
 // One message as bytes; None when the peer closed (before or during it).
