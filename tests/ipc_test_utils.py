@@ -236,6 +236,16 @@ def collect(close_idle: bool = False) -> Dict[str, int]:
     return torch_ipc.stats()
 
 
+def poll_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.01) -> bool:
+    """Poll predicate() until it is true (True) or `timeout` seconds passed (False)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
 def wait_for_stats(key: str, value: int, timeout: float = 5.0) -> Dict[str, int]:
     """Call collect() until stats()[key] == value or `timeout` seconds passed; return stats."""
     deadline = time.monotonic() + timeout

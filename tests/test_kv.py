@@ -24,15 +24,6 @@ RECLAIM_S = 5.0
 AUTHKEY = b"torch_ipc-kv-test"
 
 
-def _wait_until(predicate, timeout: float = RECLAIM_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 # ----------------------------------------------------------------------------- run in peers
 
 
@@ -291,7 +282,7 @@ def test_blocks_of_a_killed_holder_return(pool):
         ids = victim.call(allocate, 10)
         assert pool.free_blocks == 6 and pool.holder_of(ids[0]) == victim.pid
         victim.kill()
-    assert _wait_until(lambda: pool.free_blocks == 16), pool.holders()  # the background collector
+    assert u.poll_until(lambda: pool.free_blocks == 16, RECLAIM_S), pool.holders()  # the background collector
     assert pool.holders() == {os.getpid(): 0}
     assert sorted(pool.allocate(16)) == list(range(16))
 
@@ -310,7 +301,7 @@ def test_holder_killed_inside_the_allocator_is_recovered(pool):
         victim.call(attach, torch_ipc.dumps(pool))
         victim.call(allocate, 2)
         victim.start_call(stall_inside_allocator)
-        assert _wait_until(lambda: pool.free_blocks == 0), "the peer never took the lock"
+        assert u.poll_until(lambda: pool.free_blocks == 0, RECLAIM_S), "the peer never took the lock"
         victim.kill()
     ids = pool.allocate(12)  # EOWNERDEAD: the segment is rebuilt from the holder table
     assert len(set(ids)) == 12 and pool.free_blocks == 0
@@ -325,7 +316,7 @@ def test_a_member_that_never_releases_the_lock_is_named_after_the_time_limit(poo
     with Peer(timeout=60, name="kv-stuck") as stuck:
         stuck.call(attach, torch_ipc.dumps(pool))
         stuck.start_call(stall_inside_allocator)
-        assert _wait_until(lambda: pool.free_blocks == 0), "the peer never took the lock"
+        assert u.poll_until(lambda: pool.free_blocks == 0, RECLAIM_S), "the peer never took the lock"
         start = time.monotonic()
         with pytest.raises(TimeoutError, match=f"within 0.5 s .*pid {stuck.pid} .*recorded taking it"):
             pool.allocate(1)
@@ -445,7 +436,7 @@ def test_pool_outlives_its_owner(device, ipc_spawn):
         pool = SharedKVPool.attach(data, SHAPE, torch.int32)
         assert pool.free_blocks == 5
         owner.kill()
-    assert _wait_until(lambda: pool.free_blocks == 8)
+    assert u.poll_until(lambda: pool.free_blocks == 8, RECLAIM_S)
     ids = pool.allocate(8)
     pool.scatter(ids, torch.full((8, *SHAPE), 3, dtype=torch.int32))
     assert bool(pool.gather(ids).eq(3).all())
@@ -502,7 +493,7 @@ def test_a_forked_child_uses_the_pool_as_itself(pool):
     held, ids, holder = got
     assert held == sorted(ids) and holder == child.pid and not set(ids) & set(mine)
     assert sorted(pool.held()) == sorted(mine)  # the parent's blocks are still the parent's
-    assert _wait_until(lambda: pool.free_blocks == 14)  # the child's came back
+    assert u.poll_until(lambda: pool.free_blocks == 14, RECLAIM_S)  # the child's came back
     assert pool.holders() == {os.getpid(): 2}
 
 
@@ -519,5 +510,5 @@ def test_a_cuda_free_waits_for_the_reads_queued_before_it(device):
         with pytest.raises(ValueError, match="freed already"):
             pool.free(ids[:1])
         torch.cuda.synchronize()
-        assert _wait_until(lambda: pool.free_blocks == 8)
+        assert u.poll_until(lambda: pool.free_blocks == 8, RECLAIM_S)
         assert pool.held() == []

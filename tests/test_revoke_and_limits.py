@@ -45,15 +45,6 @@ def _live_exports() -> int:
     return torch_ipc.stats()["exports"]
 
 
-def _wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 @pytest.mark.parametrize("consumers", [2, None])
 def test_revoke_refuses_later_loads_and_keeps_earlier_ones(consumers):
     t = torch.zeros(256)
@@ -70,7 +61,7 @@ def test_revoke_refuses_later_loads_and_keeps_earlier_ones(consumers):
         assert early.call(_read_held) == 5.0
         assert _live_exports() == before + 1, "reclaimed under a holder"
         early.call(_drop_held)
-        assert _wait_for(lambda: _live_exports() == before), "a revoked export stayed pinned after its holder let go"
+        assert u.poll_until(lambda: _live_exports() == before), "a revoked export stayed pinned after its holder let go"
     assert not e.live
 
 

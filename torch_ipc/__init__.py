@@ -107,9 +107,7 @@ def loads(data: Union[bytes, bytearray, memoryview], *, weights_only: bool = Tru
 
 def stats() -> dict:
     """Counters of this process, for finding leaks (the entries are listed below)."""
-    out = dict(_C.stats())
-    out["fd_server_running"] = bool(out["fd_server_running"])
-    return out
+    return dict(_C.stats())
 
 
 def _stats_doc() -> str:

@@ -55,7 +55,7 @@ std::vector<StatField> process_stats(bool with_values) {
       {"fd_via_socket", f.via_socket, "fds fetched over a socket (SCM_RIGHTS)"},
       {"fd_via_pidfd", f.via_pidfd, "fds fetched with pidfd_getfd"},
       {"fd_pidfd_refused", f.pidfd_refused, "pidfd_getfd refusals that fell back to the socket"},
-      {"fd_server_running", f.server_running ? 1 : 0, "1 while this process's fd server runs"},
+      {"fd_server_running", f.server_running ? 1 : 0, "True while this process's fd server runs", true},
   };
 }
 

@@ -14,6 +14,7 @@ struct StatField {
   const char* name;
   int64_t value;
   const char* doc;  // one line for stats()'s docstring
+  bool flag = false;  // a yes/no: stats() shows it as a bool
 };
 
 // The counters, in the order stats() shows them; value 0 when asked for docs only.

@@ -56,7 +56,12 @@ py::dict describe(const py::bytes& data) {
 
 py::dict stats() {
   py::dict out;
-  for (const StatField& f : process_stats()) out[f.name] = f.value;
+  for (const StatField& f : process_stats()) {
+    if (f.flag)
+      out[f.name] = py::bool_(f.value != 0);
+    else
+      out[f.name] = f.value;
+  }
   py::list oldest;
   for (const PinnedExport& p : export_stats().oldest) {
     py::dict r;
