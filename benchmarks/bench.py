@@ -2,7 +2,11 @@
 """Benchmark torch_ipc against stock torch.multiprocessing on the same workloads.
 
 Each side runs in its own pair of spawned processes, a producer and a consumer,
-joined by a multiprocessing Pipe:
+joined by a channel: for floor and torch_ipc ``torch_ipc.Pipe`` (shared-memory
+rings, the default) or, with ``--channel mp``, a ``multiprocessing.Pipe``; for
+torch always a ``multiprocessing.Pipe`` (stock torch.multiprocessing as its
+users run it: a torch process never imports torch_ipc, whose import wraps
+ForkingPickler's reducers):
 
 * floor:     no sharing at all: the producer sends only the structure of its
              object (once per loop), the consumer uses tensors of its own, already
@@ -27,6 +31,9 @@ Workloads (--only NAME[,NAME]; in this order):
     small_same     one 4 KiB CUDA tensor, the same one each time
     small_new      one 4 KiB CUDA tensor, a new one each time
     small_same_idle, small_new_idle   the same, the consumer touching nothing
+    stream_same    a one-way stream of 4 KiB CUDA tensors, the same one each time: the
+                   consumer reads one element of each (.item()) and drops it; tensors/s
+    stream_new     the same with a new tensor each time
     sd_first       a state_dict of 384 x 4 MiB bf16 (1.5 GiB), each one new (first share)
     sd_resend      the same state_dict again (the consumer keeps the previous one)
     big_resend     144 x 16 MiB bf16 (2.25 GiB) again
@@ -44,6 +51,7 @@ Usage:
     python benchmarks/bench.py --quick                # smoke run: small sizes, few iterations
     python benchmarks/bench.py --only small_same,sd_resend --json bench.json
     python benchmarks/bench.py --device cpu --quick   # every workload on CPU tensors
+    python benchmarks/bench.py --channel mp           # over a multiprocessing.Pipe instead
 
 Without a CUDA GPU (and without --device cpu) it says so, runs the small round
 trip with CPU tensors and exits. Targets are for an H100 and are shown only for
@@ -78,7 +86,9 @@ REPLY = b"R"
 FAILED = b"E"
 
 SIDES = ("floor", "torch", "torch_ipc")
-CPU_FALLBACK = ("channel", "small_same", "small_new", "small_same_idle", "small_new_idle")
+CPU_FALLBACK = ("channel", "small_same", "small_new", "small_same_idle", "small_new_idle", "stream_same",
+                "stream_new")
+CHANNELS = {"ring": "torch_ipc.Pipe (shared-memory rings)", "mp": "multiprocessing.Pipe"}
 
 
 class PeerError(RuntimeError):
@@ -94,6 +104,7 @@ def plan(cfg: dict) -> dict:
     return {
         "small": {"numel": 1024, "warmup": 20 if q else 200, "iters": 100 if q else 2000},
         "small_new": {"numel": 1024, "warmup": 10 if q else 100, "iters": 50 if q else 1000},
+        "stream": {"numel": 1024, "warmup": 50 if q else 500, "iters": 500 if q else 10000},
         # 64 layers x 6 tensors x 2048x1024 bf16 = 384 x 4 MiB = 1.5 GiB
         "sd": {"layers": 2 if q else 64, "shape": (256, 1024) if q else (2048, 1024)},
         "sd_first_reps": 2 if q else 5,
@@ -466,7 +477,7 @@ def channel_producer(conn, side, cfg):
     p = plan(cfg)["small"]
     message = b"x" * 64
     t = round_trips(conn, Raw, lambda: message, warmup=p["warmup"], iters=p["iters"], timeout=cfg["timeout"])
-    return [metric("rtt", "bare Pipe round trip, 64 B of bytes, no tensor", t.rtt)]
+    return [metric("rtt", "bare channel round trip, 64 B of bytes, no tensor", t.rtt)]
 
 
 def channel_consumer(conn, side, cfg):
@@ -491,6 +502,46 @@ def small_producer(same: bool, reading: bool):
                 metric("first_read", f"{what}: consumer's loads + first read", t.reads)]
 
     return producer
+
+
+def stream_producer(same: bool):
+    def producer(conn, side, cfg):
+        """Send warm-up + iters tensors without waiting; the consumer acks the
+        warm-up and then the whole stream: tensors/s of the timed part."""
+        p = plan(cfg)["stream"]
+        x = torch.ones(p["numel"], dtype=torch.float32, device=cfg["device"])
+
+        def fresh():  # no kernel: the producer does nothing on the GPU but share
+            return torch.empty(p["numel"], dtype=torch.float32, device=cfg["device"])
+
+        next_obj = always(x) if same else fresh
+        for _ in range(p["warmup"]):
+            conn.send_bytes(side.dumps(next_obj()))
+        if recv(conn, cfg["timeout"]) != ACK:
+            raise PeerError("the consumer did not ack the warm-up")
+        t0 = time.perf_counter_ns()
+        for _ in range(p["iters"]):
+            conn.send_bytes(side.dumps(next_obj()))
+        ack = recv(conn, cfg["timeout"])
+        elapsed = time.perf_counter_ns() - t0
+        if ack != ACK:
+            raise peer_error(ack)
+        what = f"one-way stream of {fmt_bytes(4 * p['numel'])} tensors, {'same' if same else 'new'} each time, " \
+               "consumer reads one element of each"
+        return [metric("rate", what, unit="tensors/s", better="higher", value=p["iters"] * 1e9 / elapsed,
+                       target=h100_target(cfg, max=40000), seconds=elapsed / 1e9)]
+
+    return producer
+
+
+def stream_consumer(conn, side, cfg):
+    p = plan(cfg)["stream"]
+    for count in (p["warmup"], p["iters"]):
+        for _ in range(count):
+            obj = side.loads(recv(conn, cfg["timeout"]))
+            obj[0].item()  # one element of each reaches the host
+            del obj
+        conn.send_bytes(ACK)
 
 
 def serve_reading(conn, side, cfg):
@@ -657,6 +708,8 @@ WORKLOADS = {
     "small_new": (small_producer(same=False, reading=True), serve_reading),
     "small_same_idle": (small_producer(same=True, reading=False), serve_idle),
     "small_new_idle": (small_producer(same=False, reading=False), serve_idle),
+    "stream_same": (stream_producer(same=True), stream_consumer),
+    "stream_new": (stream_producer(same=False), stream_consumer),
     "sd_first": (sd_first_producer, sd_first_consumer),
     "sd_resend": (sd_resend_producer, serve_reading),
     "big_resend": (big_resend_producer, serve_reading),
@@ -762,7 +815,10 @@ def run_pair(side_name: str, names: list, cfg: dict, record) -> tuple:
     when start-up did, or nothing did) and `error` its traceback or reason.
     """
     ctx = mp.get_context("spawn")
-    prod_conn, cons_conn = ctx.Pipe(duplex=True)
+    if cfg["channel"] == "ring" and side_name != "torch":
+        prod_conn, cons_conn = import_torch_ipc().Pipe(duplex=True)
+    else:
+        prod_conn, cons_conn = ctx.Pipe(duplex=True)
     results, results_w = ctx.Pipe(duplex=False)
     procs = [
         ctx.Process(target=producer_main, args=(prod_conn, results_w, side_name, names, cfg),
@@ -855,7 +911,7 @@ def fmt_value(v, unit: str) -> str:
         return "-"
     if unit == "us" and abs(v) >= 10000:
         v, unit = v / 1e3, "ms"
-    digits = 1 if abs(v) >= 10 else 2 if abs(v) >= 1 else 3
+    digits = 0 if abs(v) >= 1000 else 1 if abs(v) >= 10 else 2 if abs(v) >= 1 else 3
     return f"{v:.{digits}f} {unit}"
 
 
@@ -914,7 +970,7 @@ def describe_goal(goal, unit: str) -> str:
     return ", ".join(parts)
 
 
-def render(rows: list, title: str) -> str:
+def render(rows: list, title: str, channel: str) -> str:
     def cell(row, side):
         if row[side] is None:
             return "error" if side in row["errors"] else "-"
@@ -939,6 +995,7 @@ def render(rows: list, title: str) -> str:
         rule,
         "floor: same channel and consumer work, no sharing (tensors already local); "
         "ipc/floor = torch_ipc time / floor time",
+        f"channel: floor and torch_ipc over {channel}, torch over multiprocessing.Pipe",
         "speed-up = torch time / torch_ipc time (GB/s rows: torch_ipc / torch); > 1: torch_ipc is faster"])
 
 
@@ -950,6 +1007,9 @@ def parse_args(argv):
     ap.add_argument("--side", choices=("both",) + SIDES, default="both")
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                     help="cpu runs every workload on CPU tensors (full sizes need several GiB of /dev/shm)")
+    ap.add_argument("--channel", choices=tuple(CHANNELS), default="ring",
+                    help="the channel between producer and consumer, for every side: torch_ipc.Pipe "
+                         "(ring, default) or multiprocessing.Pipe (mp)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON here")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for any one message")
     ap.add_argument("--workload-timeout", type=float, default=None,
@@ -984,6 +1044,7 @@ def main(argv=None) -> int:
     cfg = {
         "quick": args.quick,
         "device": device,
+        "channel": args.channel,
         "timeout": args.timeout,
         "startup_timeout": max(args.timeout, 180.0),
         "workload_timeout": args.workload_timeout or (120.0 if args.quick else 300.0),
@@ -998,7 +1059,7 @@ def main(argv=None) -> int:
     title = (f"torch_ipc vs torch.multiprocessing ({where}; torch {torch.__version__}"
              f"{'; PYTORCH_CUDA_ALLOC_CONF=' + alloc_conf if alloc_conf else ''}"
              f"{'; quick' if args.quick else ''}): medians")
-    table = render(rows, title)
+    table = render(rows, title, CHANNELS[args.channel])
     errors = {s: side["errors"] for s, side in sides.items() if side["errors"]}
     if args.json:
         report = {

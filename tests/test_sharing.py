@@ -407,6 +407,54 @@ def test_objects_without_tensors(pair, value):
     assert consumer.call(_loads_value, producer.call(_dumps_value, value)) == value
 
 
+class _CountsReductions:
+    reductions = 0
+
+    def __init__(self, tag):
+        self.tag = tag
+
+    def __reduce__(self):
+        type(self).reductions += 1
+        return (_CountsReductions, (self.tag,))
+
+
+class _ReducedByMultiprocessing:
+    def __init__(self, tag):
+        self.tag = tag
+
+
+def _rebuild_registered(tag):
+    return ("registered", tag)
+
+
+def test_an_object_without_tensors_is_reduced_once():
+    # Note [messages without tensors]: the C pickler's pass is the payload.
+    _CountsReductions.reductions = 0
+    data = torch_ipc.dumps({"meta": _CountsReductions("a"), "n": [1, 2]})
+    assert _CountsReductions.reductions == 1
+    out = torch_ipc.loads(data, weights_only=False)
+    assert out["meta"].tag == "a" and out["n"] == [1, 2]
+
+
+def test_multiprocessing_reducers_apply_to_messages_without_tensors():
+    # A type registered with ForkingPickler is pickled by its reducer (which may
+    # have effects, e.g. share a file descriptor), never by its own __reduce__.
+    from multiprocessing.reduction import ForkingPickler
+
+    ForkingPickler.register(_ReducedByMultiprocessing, lambda obj: (_rebuild_registered, (obj.tag,)))
+    try:
+        data = torch_ipc.dumps(("x", _ReducedByMultiprocessing("b")))
+    finally:
+        ForkingPickler._extra_reducers.pop(_ReducedByMultiprocessing, None)
+    assert torch_ipc.loads(data, weights_only=False) == ("x", ("registered", "b"))
+
+
+def test_tensors_inside_other_objects_are_shared():
+    x = torch.arange(6.0)
+    out = torch_ipc.loads(torch_ipc.dumps(("tag", {"w": [x]}, _CountsReductions("c"))), weights_only=False)
+    assert out[1]["w"][0].data_ptr() == x.data_ptr() and out[2].tag == "c"
+
+
 def test_consumers_must_be_positive():
     with pytest.raises(ValueError):
         torch_ipc.dumps(torch.zeros(1), consumers=0)

@@ -13,6 +13,7 @@ other side; any other layout raises a TypeError that names it. A non-leaf
 tensor that requires grad is refused with torch's own message.
 """
 
+import copyreg
 import importlib
 import io
 import os
@@ -269,12 +270,66 @@ def export_object(obj: Any, parts=None, *, consumers: Optional[int] = 1, isolate
                   while_referenced=while_referenced)
 
 
+# Note [messages without tensors]
+# Most messages on a torch_ipc Connection hold no tensor at all (a KV
+# hand-over, the weights' control messages, a reply), and pickling them as
+# ``_Pickler`` does costs ~10 us: a ForkingPickler copies its dispatch table
+# (80 entries) when made, and persistent_id is a Python call per object. So an
+# object that is not a fast shape is first pickled by the C pickler alone,
+# with a dispatch table that stops at the first tensor or storage, and at
+# every type multiprocessing reduces itself (connections, sockets, bound
+# methods: their reducers have effects, such as handing a file descriptor to
+# the resource sharer, which must happen once). What completes is the payload
+# (~2 us); what stops is pickled again by _Pickler, which also raises any
+# error the object's pickling has. A __reduce__ of the user's own runs twice
+# then, once per pickling. The table is made again when copyreg's or
+# ForkingPickler's table gains or loses a type.
+class _NotPlain(Exception):
+    """Raised by the probe's dispatch table: the object needs _Pickler."""
+
+
+def _not_plain(obj):
+    raise _NotPlain
+
+
+_probe_table = (None, None)  # (fingerprint, table)
+
+
+def _probe_dispatch_table() -> dict:
+    global _probe_table
+    extra = ForkingPickler._extra_reducers
+    key = (len(copyreg.dispatch_table), len(extra))
+    if _probe_table[0] != key:
+        table = copyreg.dispatch_table.copy()
+        table.update(dict.fromkeys(extra, _not_plain))
+        table.update(dict.fromkeys((torch.Tensor, torch.nn.Parameter, torch.UntypedStorage, torch.TypedStorage),
+                                   _not_plain))
+        _probe_table = (key, table)
+    return _probe_table[1]
+
+
+def _pickled_without_tensors(obj: Any, protocol) -> Optional[bytes]:
+    """The payload of ``obj`` if it holds no tensor, storage or object that
+    multiprocessing reduces itself; else None (Note [messages without tensors])."""
+    buf = io.BytesIO()
+    buf.write(_PICKLED)
+    pickler = pickle.Pickler(buf, protocol)
+    pickler.dispatch_table = _probe_dispatch_table()
+    try:
+        pickler.dump(obj)
+    except Exception:  # _NotPlain, or an error that _Pickler raises again for the caller
+        return None
+    return buf.getvalue()
+
+
 def split(obj: Any, *, protocol=pickle.HIGHEST_PROTOCOL):
     """(tensors, is_parameter, payload): the tensors in ``obj`` and the rest
     (pickled with ``protocol`` where the fast paths do not apply)."""
     tensors, parameters, payload = _flat(obj)
     if payload is None:
         tensors, parameters = [], []
+        payload = _pickled_without_tensors(obj, protocol)
+    if payload is None:
         buf = io.BytesIO()
         buf.write(_PICKLED)
         _Pickler(buf, tensors, parameters, protocol).dump(obj)
@@ -391,6 +446,8 @@ def _rebuild(tensors, is_parameter, payload: bytes, weights_only: bool) -> Any:
             if type(keys) is list and len(keys) == len(tensors):
                 return dict(zip(keys, tensors))
         elif tag == _PICKLED:
+            if not tensors and not weights_only:  # nothing to resolve or refuse: the C unpickler alone
+                return pickle.loads(memoryview(payload)[1:])
             return _Unpickler(io.BytesIO(payload[1:]), tensors, weights_only).load()
     except WeightsOnlyError:
         raise
