@@ -33,10 +33,19 @@ namespace torch_ipc {
 //   (multiprocessing.Pipe in the same run: 32.3 / 51.1)
 // Where cores are scarce, a spinning waiter takes the core its peer needs to
 // answer: every microsecond of spin costs more than the futex wake it saves.
-// Where they are not, a futex wake costs a few microseconds each way, which a
-// spin of a Python round trip's length (~20 us) avoids. So the default is 0
-// on a process allowed fewer than 4 CPUs and 20 us otherwise;
-// TORCH_IPC_CHANNEL_SPIN_US overrides it.
+// Where they are not, a waiter that sleeps pays more than the futex call: its
+// core idles and its answer runs on a cold, slower core. On the H100 machine
+// (16 CPUs; bench.py and a KV hand-over loop, one run each, medians in us):
+//   spin                        20    100   300   1000
+//   hand-over channel RT        88     80    66     45
+//   small_same, floor           79     55    53     51
+//   small_same, torch_ipc       97     84    59     89
+//   small_new, torch_ipc       107     72    53     87
+// An answer that needs Python and a kernel launch (30-100 us there) is waited
+// for without sleeping from ~300 us of spin on. So the default is 0 on a
+// process allowed fewer than 4 CPUs and 250 us otherwise: a waiter burns at
+// most 250 us of one core per wait, and vLLM's shm_broadcast reader spins
+// (with yields) without any bound. TORCH_IPC_CHANNEL_SPIN_US overrides it.
 // After the spin, and before the futex, the waiter gives its core away
 // kYields times (sched_yield): the peer, if it waits for a core, runs at once,
 // and an answer that comes meanwhile costs neither side a futex call. Same
@@ -63,7 +72,7 @@ int64_t default_spin_ns() {
   }
   cpu_set_t cpus;
   if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) < 4) return 0;
-  return 20'000;
+  return 250'000;
 }
 
 std::atomic<int64_t> g_spin_ns{default_spin_ns()};
