@@ -173,6 +173,18 @@ void open_host(Mapping& m, const ProcessId& owner) {
   m.host = std::move(shm);
 }
 
+// Note [opening many allocations]
+// The first share of a state dict opens each base allocation once: torch's
+// caching allocator puts 384 tensors of 4 MiB in 77 allocations of 20 MiB,
+// and cuIpcOpenMemHandle costs 40-70 us each on an H100 (more for larger
+// allocations), 3-5 ms in all. Opening them from several threads does not
+// help: the driver serialises the calls, and they get slower (384 x 4 MiB:
+// 15.5 ms from 1 thread, 23-29 ms from 2 to 16; 96 x 16 MiB: 5.9 ms from 1,
+// 7.0-10.9 ms from 2 to 16; benchmarks/ipc_open_threads.py). Opening lazily,
+// on first touch, is not possible either: a tensor needs its address when it
+// is built. So mappings open one after the other, once per process (Note
+// [idle mappings]), and a producer that wants a cheap first share sends from
+// few allocations (a SharedPool, or one flat buffer viewed as its tensors).
 void open_legacy(Mapping& m, const ProcessId& owner) {
   ScopedContext scope(m.where.device);
   CUipcMemHandle h;
