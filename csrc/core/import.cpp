@@ -437,7 +437,17 @@ Mapping::~Mapping() {
 // releasing the hold at once would let the producer reuse memory the GPU is
 // still reading. So the release records an event on torch's current stream
 // of each device it used and is finished by collect_imports() once those
-// events completed; the host never waits.
+// events completed; the host never waits. A stream with nothing left to run
+// (cuStreamQuery, host side only: a consumer that synchronized, or read with
+// .item()) needs no event: that release is finished at once, which saves the
+// record and the later query (~3 us a message on the H100 machine).
+static bool stream_idle(CUstream stream) {
+  CUresult r = driver().cuStreamQuery(stream);
+  if (r == CUDA_SUCCESS) return true;
+  if (r != CUDA_ERROR_NOT_READY) throw_driver_error("cuStreamQuery", r);
+  return false;
+}
+
 Hold::~Hold() {
   if (made.inherited()) {  // the hold is the parent's to release
     new std::vector<std::shared_ptr<Mapping>>(std::move(mappings));
@@ -453,9 +463,11 @@ Hold::~Hold() {
       if (std::any_of(p.done.begin(), p.done.end(), [&](auto& de) { return de.first == device; }))
         continue;
       ScopedContext scope(device);
+      CUstream stream = current_stream(device);
+      if (stream_idle(stream)) continue;  // nothing queued can still read it: release now
       CUevent e = take_release_event(c, device);
       p.done.emplace_back(device, e);
-      TORCH_IPC_CU(cuEventRecord, e, current_stream(device));
+      TORCH_IPC_CU(cuEventRecord, e, stream);
     }
   } catch (const std::exception& e) {
     TORCH_WARN("torch_ipc: could not order a release after GPU work (", e.what(),
