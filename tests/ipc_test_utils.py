@@ -85,6 +85,20 @@ def bits(t: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).cpu().numpy().tobytes()
 
 
+def run_table_on_cpu(table: torch.Tensor, kind: int = 0) -> None:
+    """Do on the CPU, with CPU addresses, what each GPU block of
+    csrc/cuda/kernels/batched_copy.cu does with its item {src, dst, count, 0}:
+    copy count bytes (kind 0) or convert count fp32 elements to bf16 (kind 1)."""
+    import ctypes
+
+    for src, dst, count, _ in table.tolist():
+        if kind == 0:
+            ctypes.memmove(dst, src, count)
+        else:
+            f = torch.frombuffer((ctypes.c_char * (4 * count)).from_address(src), dtype=torch.float32)
+            torch.frombuffer((ctypes.c_char * (2 * count)).from_address(dst), dtype=torch.bfloat16).copy_(f)
+
+
 def digest(t: torch.Tensor) -> str:
     """sha256 of bits(t): compares big tensors exactly without shipping them."""
     import hashlib

@@ -14,7 +14,9 @@ import torch
 
 import ipc_test_utils as u
 import torch_ipc
+from torch_ipc._batched_copy import ITEM_BYTES
 from torch_ipc.kv import Handover, LayoutMismatchError, OutOfBlocksError, SharedKVPool
+from torch_ipc.kv._ids import pack
 from torch_ipc.testing import Peer
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -456,6 +458,38 @@ def test_gather_scatter_check_their_arguments(pool):
     src = torch.randint(0, 100, (3, *SHAPE), dtype=torch.int32)
     pool.scatter([5, 0, 9], src)
     assert torch.equal(pool.gather([5, 0, 9]), src) and torch.equal(pool.block(9), src[2])
+    assert pool.copy_path == "index_select (CPU pool)"  # Note [kv copies]: the kernel is CUDA's
+
+
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [(SHAPE, torch.int32), ((3, 5), torch.uint8), ((7,), torch.float16), ((5,), torch.bool),
+     ((2 * ITEM_BYTES + 40,), torch.uint8)],
+)
+@pytest.mark.parametrize("min_items", [1, 100])
+def test_kernel_tables_copy_what_index_select_does(shape, dtype, min_items):
+    """Note [kv copies]: the tables that gather and scatter launch on a CUDA
+    pool, built here for a CPU pool of three chunks (one added by grow) and
+    run on the CPU, address every block and copy the bytes index_select does;
+    bad ids are refused before a table is made."""
+    gen = torch.Generator().manual_seed(u.new_seed())
+    with SharedKVPool(4, shape, dtype, blocks_per_chunk=2, max_blocks=7) as pool:
+        first = pool._block_addresses(torch.tensor([3, 0])).tolist()
+        assert first == [pool.block(3).data_ptr(), pool.block(0).data_ptr()]
+        pool.grow(3)  # the cached chunk addresses follow
+        assert pool._block_addresses(torch.arange(7)).tolist() == [pool.block(i).data_ptr() for i in range(7)]
+        for chunk in pool.chunks:
+            chunk.copy_(u.random_tensor(chunk.shape, dtype, gen))
+        ids = [6, 0, 3, 3, 5, 2, 1]
+        out = torch.zeros((len(ids), *shape), dtype=dtype)
+        u.run_table_on_cpu(pool._table(pack(ids), out, into_rows=True, pin=False, min_items=min_items))
+        assert u.bits(out) == u.bits(pool.gather(ids)) and pool.copy_path == "index_select (CPU pool)"
+        src, targets = u.random_tensor((3, *shape), dtype, gen), [4, 0, 2]
+        u.run_table_on_cpu(pool._table(pack(targets), src, into_rows=False, pin=False, min_items=min_items))
+        assert [u.bits(pool.block(b)) for b in targets] == [u.bits(row) for row in src]
+        for bad in ([0, 7], [-1, 2]):
+            with pytest.raises(IndexError, match="out of range"):
+                pool._table(pack(bad), out[:2], into_rows=True, pin=False, min_items=1)
 
 
 def attach_error(data: bytes) -> str:

@@ -249,3 +249,20 @@ def test_a_chunk_record_holding_a_pickle_is_never_unpickled(tmp_path, ipc_peer):
         joined = ipc_peer.call(attach_newcomer, torch_ipc.dumps(pool))
         assert joined[0] == "PoolCorruptedError" and "one tensor and nothing else" in joined[1], joined
         assert not os.path.exists(marker)
+
+
+def test_a_chunk_record_of_a_strided_tensor_is_refused(ipc_peer):
+    """Note [kv copies]: gather and scatter address a block from its chunk's
+    start, so a chunk record must describe one contiguous tensor."""
+    from torch_ipc import _serialize
+
+    with SharedKVPool(BLOCKS, SHAPE, torch.int64) as pool:
+        strided = torch.zeros(BLOCKS, *SHAPE, 2, dtype=torch.int64)[..., 0]  # the pool's shape, every other element
+        exported = _serialize.export_single_tensor(strided, consumers=2)
+        seg = Segment(pool._name, pool._allocator.field_offsets())
+        seg.chunk(0, "descriptor_bytes", len(exported.data))
+        seg.chunk(0, "descriptor", exported.data)
+        seg.map.close()
+        joined = ipc_peer.call(attach_newcomer, torch_ipc.dumps(pool))
+        assert joined[0] == "PoolCorruptedError" and "not contiguous" in joined[1], joined
+        exported.revoke()

@@ -6,7 +6,8 @@ Note [python layers]
 The Python package is layered as csrc/ is (Note [layers] in csrc/README.md),
 lowest first:
   base      _C (the extension), errors, _build_info, _torch_check, _cuda
-            (device arguments), _process (is that process alive)
+            (device arguments), _process (is that process alive),
+            _batched_copy (the batched copy kernels, for kv and weights)
   runtime   _runtime: the collector thread, the exit hook, fork handling
   memory    pool (SharedPool), ipc_event: kinds of memory and events
   core      _serialize: dumps/loads, the one crossing into _C's export/load;
@@ -26,7 +27,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torch_ipc"
 
 LAYERS = [
-    ("base", ["_C", "errors", "_build_info", "_torch_check", "_cuda", "_process"]),
+    ("base", ["_C", "errors", "_build_info", "_torch_check", "_cuda", "_process", "_batched_copy"]),
     ("runtime", ["_runtime"]),
     ("memory", ["pool", "ipc_event"]),
     ("core", ["_serialize", "_export"]),

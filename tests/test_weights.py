@@ -11,6 +11,7 @@ import torch
 
 from torch_ipc.weights import Publisher, PublisherGoneError, Subscriber, WeightsMismatchError
 
+import ipc_test_utils as u
 from weights_helpers import SHAPES, bits, listener_address, make_weights, pair
 
 
@@ -419,18 +420,6 @@ def test_dead_subscriber_does_not_block_publish(ipc_peer, ipc_peers):
 
 # ----------------------------------------------------------------------------- the kernels' item tables
 
-def _run_table_on_cpu(table: torch.Tensor, kind: int) -> None:
-    """Do on the CPU what each block of csrc/features/weights/kernels/batched_copy.cu does with its item."""
-    import ctypes
-
-    for src, dst, count, _ in table.tolist():
-        if kind == 0:
-            ctypes.memmove(dst, src, count)
-        else:
-            f = torch.frombuffer((ctypes.c_char * (4 * count)).from_address(src), dtype=torch.float32)
-            torch.frombuffer((ctypes.c_char * (2 * count)).from_address(dst), dtype=torch.bfloat16).copy_(f)
-
-
 def test_item_tables_cover_every_byte_once():
     from torch_ipc import _C
     from torch_ipc.weights._copy import item_table
@@ -445,7 +434,7 @@ def test_item_tables_cover_every_byte_once():
     pairs = [(flat[a:b].view(dt), out[a:b].view(dt)) for a, b, dt in spans]
     table = item_table(pairs, 0, torch.device("cpu"))
     assert int(table[:, 2].max()) <= chunk and int(table[:, 2].sum()) == sum(b - a for a, b, _ in spans)
-    _run_table_on_cpu(table, 0)
+    u.run_table_on_cpu(table, 0)
     for a, b, _ in spans:
         assert torch.equal(out[a:b], flat[a:b])
     assert not out[12:13].any() and not out[3 * chunk + 4000 :].any()  # nothing outside the pairs
@@ -462,7 +451,7 @@ def test_conversion_item_tables_match_torch():
     small_src, small_dst = torch.randn(7), torch.zeros(7, dtype=torch.bfloat16)
     table = item_table([(src, dst), (small_src, small_dst)], 1, torch.device("cpu"))
     assert table.shape[0] == 4
-    _run_table_on_cpu(table, 1)
+    u.run_table_on_cpu(table, 1)
     assert torch.equal(dst.view(torch.int16), src.to(torch.bfloat16).view(torch.int16))
     assert torch.equal(small_dst.view(torch.int16), small_src.to(torch.bfloat16).view(torch.int16))
 

@@ -11,6 +11,7 @@ PYBIND11_MODULE(_C, m) {
   bind_process(m);
   bind_ipc_event(m);
   bind_vmm(m);
+  bind_batched_copy(m);
   bind_kv(m);
   bind_weights(m);
   bind_channel(m);

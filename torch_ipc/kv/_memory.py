@@ -1,18 +1,59 @@
 """A pool's memory as a process sees it: the mapped chunks, one block, and
-gather/scatter of many blocks on the current stream."""
+gather/scatter of many blocks on the current stream.
+
+Note [kv copies]
+On a CUDA pool, gather() and scatter() are one launch of torch_ipc's batched
+copy kernel (torch_ipc/_batched_copy.py) over a table of the blocks' byte
+ranges, which keeps every SM busy with 16-byte loads; index_select over rows
+of the widest element (the fallback) reached ~0.78x of a device copy of the
+same bytes on an H100. The fallback serves CPU pools, GPUs or drivers the
+kernels do not load on, and ``TORCH_IPC_KV_COPY=index_select``;
+``pool.copy_path`` says which path the last gather/scatter took.
+
+The kernel trusts the table's addresses, so:
+- every id is bounds-checked (its min and max) before an address is formed,
+  ``out``/``src`` are checked as for the fallback (shape, dtype, device,
+  contiguous), and a chunk that is not one contiguous tensor is refused when
+  it is mapped (Note [chunk records are data] in _segment.py): a block is
+  chunk start + local id * block_bytes.
+- the table reaches the device without the host waiting: it is built in
+  pinned memory and copied with non_blocking (the caching host allocator keeps
+  the pinned buffer until that copy has run), as the fallback's index is.
+- every tensor whose address is in the table lives as long as it would for
+  an index_select queued on the current stream, which is all the kernel is
+  to the allocators: the device table, and a ``src`` that scatter() moved to
+  the device or made contiguous, are allocated on the current stream, so the
+  caching allocator reuses them only for work queued after the launch;
+  ``out`` is returned to the caller (or is the caller's); the chunks are the
+  pool's until close(), and their release waits for the current stream's work
+  (Note [deferred release] in csrc/core/import.cpp; the owner's SharedPool
+  chunks: Note [pool frees synchronize] in csrc/memory/shared_pool.cpp). A
+  caller who queues gather/scatter on a stream other than the one that
+  allocated ``out`` or ``src`` calls record_stream, as for any torch op.
+"""
 from __future__ import annotations
 
 import bisect
+import os
 from array import array
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .. import _batched_copy
 from ._ids import Ids, pack
+
+_INDEX_SELECT = "index_select"
+_KERNEL = "kernel"
 
 
 class _Memory:
     """The part of :class:`SharedKVPool` that reads and writes blocks."""
+
+    copy_path: str = ""
+    """How the last gather()/scatter() copied: "kernel" or "index_select (why)" (Note [kv copies])."""
+    _block_bases: Optional[Tuple[int, torch.Tensor, torch.Tensor]] = None  # chunks, starts, starts' addresses
+    _row_offsets: Optional[torch.Tensor] = None  # i * block_bytes
 
     @property
     def device(self) -> torch.device:
@@ -56,16 +97,23 @@ class _Memory:
         chunk = bisect.bisect_right(self._starts, block_id) - 1
         return chunk, block_id - self._starts[chunk]
 
-    def _index(self, packed: array) -> List[Tuple[int, torch.Tensor, Optional[List[int]]]]:
-        """(chunk, ids within it on the pool's device, positions in `packed` or None for all)."""
-        if len(packed) == 0:
-            return []
-        low, high = min(packed), max(packed)
+    def _check_ids(self, packed: array) -> None:
+        """Every id of `packed` (not empty) names a block, mapping chunks added since; else IndexError."""
+        self._check_range(min(packed), max(packed))
+
+    def _check_range(self, low: int, high: int) -> None:
+        """Ids from `low` to `high` name blocks, mapping chunks added since; else IndexError."""
         if high >= self._mapped:
             self.refresh()
         if low < 0 or high >= self._mapped:
             bad = low if low < 0 else high
             raise IndexError(f"torch_ipc: block id {bad} is out of range: the KV pool has {self._mapped} blocks")
+
+    def _index(self, packed: array) -> List[Tuple[int, torch.Tensor, Optional[List[int]]]]:
+        """(chunk, ids within it on the pool's device, positions in `packed` or None for all)."""
+        if len(packed) == 0:
+            return []
+        self._check_ids(packed)
         if len(self._chunks) == 1:
             return [(0, self._to_device(torch.frombuffer(packed, dtype=torch.int64)), None)]
         groups: Dict[int, Tuple[List[int], List[int]]] = {}
@@ -92,9 +140,59 @@ class _Memory:
                 return [r.view(dtype) for r in raw]
         return raw
 
+    def _why_not_kernel(self) -> str:
+        """Why gather/scatter take the index_select path ("" when the kernel serves: Note [kv copies])."""
+        if self._device.type != "cuda":
+            return "CPU pool"
+        if os.environ.get("TORCH_IPC_KV_COPY", "") == _INDEX_SELECT:
+            return "TORCH_IPC_KV_COPY=index_select"
+        ok, why = _batched_copy.kernels_available(self._device)
+        return "" if ok else why
+
+    def _block_addresses(self, ids: torch.Tensor) -> torch.Tensor:
+        """The address of each block of `ids` (int64, checked), int64 on the CPU: its chunk's
+        address + (id - the chunk's first id) * block_bytes, the chunks' part cached."""
+        if self._block_bases is None or self._block_bases[0] != len(self._chunks):
+            starts = torch.tensor(self._starts, dtype=torch.int64)
+            addresses = torch.tensor([c.data_ptr() for c in self._chunks], dtype=torch.int64)
+            self._block_bases = (len(self._chunks), starts, addresses - starts * self.block_bytes)
+        _, starts, bases = self._block_bases
+        if len(starts) == 1:
+            return torch.add(bases, ids, alpha=self.block_bytes)
+        return torch.add(bases[torch.searchsorted(starts, ids, right=True) - 1], ids, alpha=self.block_bytes)
+
+    def _row_addresses(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The address of each block-sized row of contiguous `tensor`, int64 on the CPU (the
+        offsets cached)."""
+        n = tensor.shape[0]
+        if self._row_offsets is None or len(self._row_offsets) < n:
+            self._row_offsets = torch.arange(max(n, 1024), dtype=torch.int64) * self.block_bytes
+        return torch.add(self._row_offsets[:n], tensor.data_ptr())
+
+    def _table(self, packed: array, rows: torch.Tensor, into_rows: bool, pin: bool, min_items: int) -> torch.Tensor:
+        """The CPU table that copies the blocks `packed` (not empty) into the rows of contiguous
+        `rows` (gather), or the rows into the blocks (scatter); the ids are checked first."""
+        ids = torch.frombuffer(packed, dtype=torch.int64)
+        low, high = torch.aminmax(ids)
+        self._check_range(int(low), int(high))
+        blocks, row_addresses = self._block_addresses(ids), self._row_addresses(rows)
+        src, dst = (blocks, row_addresses) if into_rows else (row_addresses, blocks)
+        return _batched_copy.block_items(src, dst, self.block_bytes, pin=pin, min_items=min_items)
+
+    def _copy_blocks(self, packed: array, rows: torch.Tensor, into_rows: bool) -> None:
+        """_table's copy as one kernel launch on the current stream (Note [kv copies])."""
+        table = self._table(packed, rows, into_rows, pin=True, min_items=_batched_copy.sm_count(self._device))
+        _batched_copy.launch(_batched_copy.to_device(table, self._device), _batched_copy.COPY)
+
+    def _path(self) -> bool:
+        """Whether this gather/scatter runs the kernel; records the path in copy_path."""
+        why = self._why_not_kernel()
+        self.copy_path = f"{_INDEX_SELECT} ({why})" if why else _KERNEL
+        return not why
+
     def gather(self, ids: Ids, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The blocks ``ids`` copied into one contiguous tensor [len(ids), *block_shape]
-        (into ``out`` when given), on the current stream."""
+        (into ``out`` when given), on the current stream. ``copy_path`` says how."""
         self._check_open()
         packed = pack(ids)
         device = self.device
@@ -110,6 +208,10 @@ class _Memory:
                 f"out must be a contiguous {self.dtype} tensor of shape {(len(packed), *self.block_shape)} "
                 f"on {self._device}"
             )
+        if self._path():
+            if len(packed):
+                self._copy_blocks(packed, out, into_rows=True)
+            return out
         for chunk, index, positions in self._index(packed):
             source, rows = self._rows(self._chunks[chunk], out)
             if positions is None:
@@ -119,7 +221,8 @@ class _Memory:
         return out
 
     def scatter(self, ids: Ids, src: torch.Tensor) -> None:
-        """Write ``src`` [len(ids), *block_shape] into the blocks ``ids``, on the current stream."""
+        """Write ``src`` [len(ids), *block_shape] into the blocks ``ids``, on the current
+        stream. ``copy_path`` says how."""
         self._check_open()
         packed = pack(ids)
         if tuple(src.shape) != (len(packed), *self.block_shape) or src.dtype != self.dtype:
@@ -127,7 +230,10 @@ class _Memory:
         if len(set(packed)) != len(packed):
             raise ValueError("torch_ipc: scatter() into a block listed twice")
         src = src.to(self.device).contiguous()
+        if self._path():
+            if len(packed):
+                self._copy_blocks(packed, src, into_rows=False)
+            return
         for chunk, index, positions in self._index(packed):
             target, rows = self._rows(self._chunks[chunk], src)
             target.index_copy_(0, index, rows if positions is None else rows[positions])
-

@@ -17,7 +17,7 @@ never unpickled: it is a descriptor of one tensor and nothing else
 (``_serialize.export_single_tensor``), loaded by
 ``_serialize.load_single_tensor``, which refuses any other descriptor before
 reading its payload. A record that does not fit the pool (another shape, not
-the next block ids) is a :class:`PoolCorruptedError`.
+contiguous, not the next block ids) is a :class:`PoolCorruptedError`.
 """
 from __future__ import annotations
 
@@ -88,6 +88,11 @@ class _Segment:
             raise PoolCorruptedError(
                 f"torch_ipc: KV pool {self._name} is corrupted: chunk {index} is a {tensor.dtype} tensor of "
                 f"shape {tuple(tensor.shape)}, not {count} blocks of {self.block_shape} {self.dtype}"
+            )
+        if not tensor.is_contiguous():  # gather/scatter address blocks from the chunk's start (Note [kv copies])
+            raise PoolCorruptedError(
+                f"torch_ipc: KV pool {self._name} is corrupted: chunk {index} is not contiguous "
+                f"(strides {tensor.stride()})"
             )
         return tensor
 

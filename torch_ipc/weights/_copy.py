@@ -3,9 +3,9 @@ once into a few launches; ``run()`` is those launches and nothing else.
 
 Same-dtype pairs on one GPU go through one launch of torch_ipc's copy kernel,
 fp32 -> bf16 pairs through one launch of its conversion kernel (Note [batched
-copy kernels] in csrc/features/weights/batched_copy.cpp); everything else (other conversions,
-non-contiguous destinations, CPU tensors, two GPUs) through one
-``torch._foreach_copy_``. ``path`` says which ran.
+copy kernels] in csrc/cuda/batched_copy.cpp, torch_ipc/_batched_copy.py);
+everything else (other conversions, non-contiguous destinations, CPU tensors,
+two GPUs) through one ``torch._foreach_copy_``. ``path`` says which ran.
 """
 
 import os
@@ -13,49 +13,36 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from .. import _C
+from .. import _batched_copy
 
 __all__ = ["BatchedCopy", "kernels_available"]
 
-_COPY = 0
-_F32_TO_BF16 = 1
-_ITEM_BYTES = _C.batched_item_bytes
-_available = {}
+_COPY = _batched_copy.COPY
+_F32_TO_BF16 = _batched_copy.F32_TO_BF16
 
 
 def kernels_available(device: torch.device) -> Tuple[bool, str]:
     """Whether torch_ipc's copy kernels load on `device`, and why not.
     ``TORCH_IPC_WEIGHTS_COPY=foreach`` turns them off."""
-    if device.type != "cuda":
-        return False, "CPU tensors"
-    if os.environ.get("TORCH_IPC_WEIGHTS_COPY", "") == "foreach":
+    if device.type == "cuda" and os.environ.get("TORCH_IPC_WEIGHTS_COPY", "") == "foreach":
         return False, "TORCH_IPC_WEIGHTS_COPY=foreach"
-    if device.index not in _available:
-        _available[device.index] = tuple(_C.batched_copy_available(device.index))
-    return _available[device.index]
+    return _batched_copy.kernels_available(device)
 
 
 def item_table(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], kind: int, device: torch.device) -> torch.Tensor:
-    """The [n, 4] int64 table {src, dst, count, 0} of one launch: each pair cut
-    into items of at most _ITEM_BYTES of source (count in bytes for a copy, in
-    elements for a conversion), built with tensor ops (no loop per item)."""
+    """The [n, 4] int64 table {src, dst, count, 0} of one launch, on `device`:
+    each pair cut into items of at most ITEM_BYTES of source (count in bytes
+    for a copy, in elements for a conversion), built with tensor ops (no loop
+    per item)."""
     if kind == _COPY:
         counts = torch.tensor([s.numel() * s.element_size() for s, _ in pairs], dtype=torch.int64)
-        chunk, src_step, dst_step = _ITEM_BYTES, 1, 1
+        chunk, src_step, dst_step = _batched_copy.ITEM_BYTES, 1, 1
     else:
         counts = torch.tensor([s.numel() for s, _ in pairs], dtype=torch.int64)
-        chunk, src_step, dst_step = _ITEM_BYTES // 4, 4, 2
+        chunk, src_step, dst_step = _batched_copy.ITEM_BYTES // 4, 4, 2
     src = torch.tensor([s.data_ptr() for s, _ in pairs], dtype=torch.int64)
     dst = torch.tensor([d.data_ptr() for _, d in pairs], dtype=torch.int64)
-    per_pair = (counts + chunk - 1) // chunk
-    which = torch.repeat_interleave(torch.arange(len(pairs)), per_pair)
-    first = torch.repeat_interleave(torch.cumsum(per_pair, 0) - per_pair, per_pair)
-    start = (torch.arange(int(per_pair.sum())) - first) * chunk
-    table = torch.zeros(len(which), 4, dtype=torch.int64)
-    table[:, 0] = src[which] + start * src_step
-    table[:, 1] = dst[which] + start * dst_step
-    table[:, 2] = torch.clamp(counts[which] - start, max=chunk)
-    return table.to(device)
+    return _batched_copy.split_into_items(src, dst, counts, chunk, src_step, dst_step).to(device)
 
 
 class BatchedCopy:
@@ -103,6 +90,6 @@ class BatchedCopy:
     def run(self) -> None:
         """Queue the copies on the current stream (CUDA); copy now (CPU)."""
         for table, kind in self._launches:
-            _C.launch_batched(table, kind)
+            _batched_copy.launch(table, kind)
         if self._dst:
             torch._foreach_copy_(self._dst, self._src)

@@ -1,11 +1,11 @@
-#include "features/weights/batched_copy.h"
+#include "cuda/batched_copy.h"
 
 #include <c10/util/Exception.h>
 
 #include <map>
 #include <mutex>
 
-#include "features/weights/batched_copy_ptx.h"
+#include "cuda/batched_copy_ptx.h"
 #include "cuda/cuda_context.h"
 #include "cuda/cuda_driver.h"
 #include "base/errors.h"
@@ -15,13 +15,15 @@ namespace {
 
 // Note [batched copy kernels]
 // torch._foreach_copy_ launches per tensor group and reaches ~70% of a
-// contiguous copy's bandwidth on a 384-tensor model; a copy per tensor less.
-// One launch over a table of fixed-size items (csrc/features/weights/kernels/batched_copy.cu)
-// keeps every SM busy with 16-byte loads whatever the tensor sizes. The PTX is
-// generated once (scripts/gen-batched-copy-ptx) and JIT-compiled by the driver
-// on first use per device, so the build needs no nvcc and the extension still
-// links no CUDA library; a driver or GPU that cannot load it makes the caller
-// fall back to torch._foreach_copy_.
+// contiguous copy's bandwidth on a 384-tensor model; a copy per tensor less;
+// torch.index_select over a KV pool's blocks ~78%. One launch over a table of
+// fixed-size items (csrc/cuda/kernels/batched_copy.cu) keeps every SM busy
+// with 16-byte loads whatever the sizes. The PTX is generated once
+// (scripts/gen-batched-copy-ptx) and JIT-compiled by the driver on first use
+// per device, so the build needs no nvcc and the extension still links no CUDA
+// library; a driver or GPU that cannot load it makes the caller fall back to
+// torch's own ops (weights: torch._foreach_copy_; kv: index_select). It lives
+// in this layer because both features use it (torch_ipc/_batched_copy.py).
 constexpr unsigned kThreads = 512;
 
 struct Module {

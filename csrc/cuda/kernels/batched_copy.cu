@@ -1,4 +1,4 @@
-// Source of the PTX in csrc/features/weights/batched_copy_ptx.h (regenerate: scripts/gen-batched-copy-ptx).
+// Source of the PTX in csrc/cuda/batched_copy_ptx.h (regenerate: scripts/gen-batched-copy-ptx).
 // Not compiled by setup.py: the extension loads the PTX through the driver at run time.
 //
 // Each block copies one item of a table {src, dst, count, unused} (int64 each):
