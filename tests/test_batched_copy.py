@@ -3,16 +3,14 @@ pulls launch), run on the CPU with CPU addresses the way the kernel runs them
 on a GPU: every byte copied once, nothing outside the ranges touched, items no
 larger than ITEM_BYTES. The kernels themselves: test_kv_cuda.py and
 test_weights_cuda.py."""
+from array import array
+
 import pytest
 import torch
 
 import ipc_test_utils as u
-from torch_ipc import _batched_copy
+from torch_ipc import _batched_copy, _C
 from torch_ipc._batched_copy import ITEM_BYTES, LARGEST_ITEM
-
-
-def _addresses(t: torch.Tensor, nbytes: int) -> torch.Tensor:
-    return torch.arange(t.numel() // nbytes, dtype=torch.int64) * nbytes + t.data_ptr()
 
 
 @pytest.mark.parametrize(
@@ -21,22 +19,42 @@ def _addresses(t: torch.Tensor, nbytes: int) -> torch.Tensor:
 )
 @pytest.mark.parametrize("min_items", [1, 12])
 def test_block_items_copy_every_byte_of_every_block_once(nbytes, min_items):
+    """Blocks of two spans (chunks) gathered into rows and scattered back."""
     gen = torch.Generator().manual_seed(u.new_seed())
     blocks = 5
     src = torch.randint(0, 256, (blocks * nbytes + 7,), dtype=torch.uint8, generator=gen)[7:]  # off alignment
     dst = torch.zeros(blocks * nbytes + 64, dtype=torch.uint8)
-    order = torch.tensor([3, 0, 4, 1, 2])
-    table = _batched_copy.block_items(_addresses(src, nbytes)[order], _addresses(dst[:-64], nbytes), nbytes,
-                                      pin=False, min_items=min_items)
+    spans = [(0, 2, src.data_ptr()), (2, 3, src.data_ptr() + 2 * nbytes)]
+    ids = array("q", [3, 0, 4, 1, 2])
+    size = _batched_copy.item_size(nbytes, blocks, min_items)
+    per_block = -(-nbytes // size)
+    table = torch.empty((blocks * per_block, 4), dtype=torch.int64)
+    _C.fill_block_items(table, ids, spans, nbytes, dst.data_ptr(), True, size)
     counts = table[:, 2]
-    per_block = _batched_copy.items_per_block(nbytes, blocks, min_items)
-    assert table.shape == (blocks * per_block, 4) and table.dtype == torch.int64 and not table[:, 3].any()
+    assert per_block == _batched_copy.items_per_block(nbytes, blocks, min_items) and not table[:, 3].any()
     assert int(counts.max()) <= LARGEST_ITEM and int(counts.min()) > 0 and int(counts.sum()) == blocks * nbytes
     if per_block > 1:  # equal items, 16-byte multiples, the last one shorter: aligned blocks stay aligned
         assert not (counts.view(blocks, per_block)[:, :-1] % 16).any()
     u.run_table_on_cpu(table)
-    assert torch.equal(dst[:-64].view(blocks, nbytes), src.view(blocks, nbytes)[order])
+    assert torch.equal(dst[:-64].view(blocks, nbytes), src.view(blocks, nbytes)[list(ids)])
     assert not dst[-64:].any()  # nothing past the blocks
+    back = torch.zeros_like(src)
+    spans = [(0, 2, back.data_ptr()), (2, 3, back.data_ptr() + 2 * nbytes)]
+    _C.fill_block_items(table, ids, spans, nbytes, dst.data_ptr(), False, size)
+    u.run_table_on_cpu(table)
+    assert torch.equal(back, src)
+
+
+def test_block_items_refuse_ids_outside_the_spans_and_bad_tables():
+    table = torch.zeros((1, 4), dtype=torch.int64)
+    for bad in (-1, 5, 2):
+        with pytest.raises(IndexError, match=f"block id {bad} is out of range"):
+            _C.fill_block_items(table, array("q", [bad]), [(0, 2, 4096), (3, 2, 8192)], 16, 0, True, 16)
+    assert not table.any()  # nothing written
+    with pytest.raises(ValueError, match="item table"):
+        _C.fill_block_items(torch.zeros((2, 4), dtype=torch.int64), array("q", [0]), [(0, 1, 4096)], 16, 0, True, 16)
+    with pytest.raises(ValueError, match="0 bytes"):
+        _batched_copy.item_size(0, 1)
 
 
 def test_items_per_block_fill_the_gpu_within_bounds():
@@ -49,11 +67,6 @@ def test_items_per_block_fill_the_gpu_within_bounds():
     assert _batched_copy.items_per_block(4 * mib + 16, 256, 132) == 3  # none above LARGEST_ITEM
     assert _batched_copy.items_per_block(15, 3, 132) == 1
     assert _batched_copy.items_per_block(ITEM_BYTES + 1, 1, 132) == 2
-
-
-def test_block_items_refuse_empty_blocks():
-    with pytest.raises(ValueError, match="0 bytes"):
-        _batched_copy.block_items(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 0, pin=False)
 
 
 def test_split_into_items_covers_ranges_of_any_size():

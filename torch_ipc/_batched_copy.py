@@ -17,18 +17,17 @@ import torch
 from . import _C
 
 __all__ = ["COPY", "F32_TO_BF16", "ITEM_BYTES", "LARGEST_ITEM", "kernels_available", "sm_count",
-           "split_into_items", "items_per_block", "block_items", "to_device", "launch"]
+           "split_into_items", "items_per_block", "item_size", "to_device", "launch"]
 
 COPY = 0
 F32_TO_BF16 = 1
 # The most bytes (COPY) or elements (F32_TO_BF16) one item holds: one GPU block
 # of the launch each, so that work spreads evenly over the SMs.
 ITEM_BYTES: int = _C.batched_item_bytes
-# The most bytes block_items() puts in one item (Note [block items]).
+# The most bytes item_size() puts in one item (Note [block items]).
 LARGEST_ITEM = 8 * ITEM_BYTES
 _available: Dict[int, Tuple[bool, str]] = {}
 _sm_counts: Dict[int, int] = {}
-_counts: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def kernels_available(device: torch.device) -> Tuple[bool, str]:
@@ -68,65 +67,38 @@ def split_into_items(src: torch.Tensor, dst: torch.Tensor, counts: torch.Tensor,
 
 
 def items_per_block(nbytes: int, blocks: int, min_items: int) -> int:
-    """How many items block_items() cuts each of `blocks` ranges of `nbytes`
+    """How many items item_size() cuts each of `blocks` ranges of `nbytes`
     into so that a launch has at least `min_items` (Note [block items])."""
     fewest = _ceil_div(nbytes, LARGEST_ITEM)
     most = _ceil_div(nbytes, ITEM_BYTES)
     return min(most, max(fewest, _ceil_div(min_items, blocks)))
 
 
-def block_items(src: torch.Tensor, dst: torch.Tensor, nbytes: int, pin: bool, min_items: int = 1) -> torch.Tensor:
-    """The CPU table that copies `nbytes` from each src[i] to dst[i] (int64
-    address tensors of one length), in pinned memory when `pin`.
+def item_size(nbytes: int, blocks: int, min_items: int = 1) -> int:
+    """The bytes of each item that cuts `blocks` ranges of `nbytes` (the last
+    item of a range shorter), for a launch of at least `min_items` items.
 
     Note [block items]
     Ranges of one size (a KV pool's blocks) are cut into items of equal size,
-    rounded up to 16 bytes (the last one shorter), so an aligned block stays
-    aligned in every item and no item is a small remainder. How many: as few
-    as keep items <= LARGEST_ITEM (2 MiB) and give the launch `min_items`
-    (the caller passes the GPU's SM count: every SM gets work), but no item
-    below ITEM_BYTES (256 KiB, the grain of weights' launches) for that. Few
-    items keep the host's part small: each tensor op costs microseconds, and
-    the GPU waits for them (a device copy of kv_bench's 512 MiB takes ~375 us
-    on an H100; its 0.9x target allows ~415 us for the whole gather): one item
-    a block is an [n, 4] table written column by column, several items a
-    block one broadcast more over [n, k, 4] (~12 us for 2048 items on a slow
-    core) and a larger table to copy. 256 blocks of
-    2 MiB are 256 items, ~2 per SM of an H100, all resident at once (the kernel
-    uses 32 registers: 4 blocks of 512 threads fit an SM) with 8 MiB of loads
-    in flight, and the same work each; 4 such blocks are 32 items of 256 KiB."""
+    rounded up to 16 bytes, so an aligned block stays aligned in every item
+    and no item is a small remainder. How many: as few as keep items <=
+    LARGEST_ITEM (2 MiB) and give the launch `min_items` (the caller passes
+    the GPU's SM count: every SM gets work), but no item below ITEM_BYTES
+    (256 KiB, the grain of weights' launches) for that. 256 blocks of 2 MiB
+    are 256 items, ~2 per SM of an H100, all resident at once (the kernel uses
+    32 registers: 4 blocks of 512 threads fit an SM). The table itself is
+    filled in C++ (_C.fill_block_items, which checks every id against the
+    pool's chunks before it writes an address): built with tensor ops it cost
+    134 us of host time a gather on the H100 machine, a third of the 512 MiB
+    copy it launches."""
     if nbytes < 1:
         raise ValueError(f"torch_ipc: a batched copy of blocks of {nbytes} bytes")
-    n = len(src)
-    k = items_per_block(nbytes, n, min_items)
-    size = nbytes if k == 1 else _ceil_div(_ceil_div(nbytes, k), 16) * 16
-    k = _ceil_div(nbytes, size)
-    if k == 1:
-        table = torch.empty((n, 4), dtype=torch.int64, pin_memory=pin)
-        count, zero = _count_columns(nbytes, n)
-        return torch.stack([src, dst, count, zero], 1, out=table)
-    offsets = torch.arange(0, k * size, size, dtype=torch.int64)
-    table = torch.empty((n, k, 4), dtype=torch.int64, pin_memory=pin)
-    torch.add(src.view(-1, 1), offsets, out=table[:, :, 0])
-    torch.add(dst.view(-1, 1), offsets, out=table[:, :, 1])
-    table[:, :, 2] = torch.clamp(nbytes - offsets, max=size)
-    table[:, :, 3] = 0
-    return table.view(-1, 4)
+    k = items_per_block(nbytes, blocks, min_items)
+    return nbytes if k == 1 else _ceil_div(_ceil_div(nbytes, k), 16) * 16
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _count_columns(nbytes: int, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """n times `nbytes` and n zeros, int64: an item table's last two columns (cached)."""
-    columns = _counts.get(nbytes)
-    if columns is None or len(columns[0]) < n:
-        if len(_counts) > 64:
-            _counts.clear()
-        columns = (torch.full((max(n, 1024),), nbytes, dtype=torch.int64), torch.zeros(max(n, 1024), dtype=torch.int64))
-        _counts[nbytes] = columns
-    return columns[0][:n], columns[1][:n]
 
 
 def to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 
@@ -71,6 +72,37 @@ const Module& module_for(int device) {
 }
 
 }  // namespace
+
+namespace {
+
+// The address of block `id`; spans are sorted by first id and adjacent.
+int64_t block_address(const std::vector<BlockSpan>& spans, int64_t id, int64_t block_bytes) {
+  auto after = std::upper_bound(spans.begin(), spans.end(), id,
+                                [](int64_t v, const BlockSpan& s) { return v < s.first; });
+  TORCH_IPC_CHECK_INDEX(after != spans.begin() && id - (after - 1)->first < (after - 1)->count,
+                        "torch_ipc: block id ", id, " is out of range of the KV pool's mapped blocks");
+  return (after - 1)->base + (id - (after - 1)->first) * block_bytes;
+}
+
+}  // namespace
+
+void fill_block_items(int64_t* table, const int64_t* ids, size_t n, const std::vector<BlockSpan>& spans,
+                      int64_t block_bytes, int64_t rows, bool into_rows, int64_t item_bytes) {
+  TORCH_IPC_CHECK_VALUE(block_bytes > 0 && item_bytes > 0, "torch_ipc: block items of ", item_bytes,
+                        " bytes for blocks of ", block_bytes);
+  std::vector<int64_t> blocks(n);
+  for (size_t i = 0; i < n; ++i) blocks[i] = block_address(spans, ids[i], block_bytes);
+  int64_t* item = table;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t row = rows + static_cast<int64_t>(i) * block_bytes;
+    for (int64_t at = 0; at < block_bytes; at += item_bytes, item += 4) {
+      item[0] = (into_rows ? blocks[i] : row) + at;
+      item[1] = (into_rows ? row : blocks[i]) + at;
+      item[2] = std::min(item_bytes, block_bytes - at);
+      item[3] = 0;
+    }
+  }
+}
 
 bool batched_copy_available(int device, std::string* why_not) {
   std::string why;

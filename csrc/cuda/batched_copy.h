@@ -4,8 +4,10 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace torch_ipc {
 
@@ -24,6 +26,21 @@ constexpr int64_t kBatchedItemBytes = 256 << 10;
 // The addresses are not checked: the caller built them from live tensors and
 // keeps those alive until the stream passes the launch.
 void launch_batched(const at::Tensor& items, BatchedKernel kernel);
+
+// Where blocks first .. first + count - 1 of a pool live: at base + (id - first) * block bytes.
+struct BlockSpan {
+  int64_t first;
+  int64_t count;
+  int64_t base;
+};
+
+// Fill `table` (n * k rows of 4 int64, k = ceil(block_bytes / item_bytes))
+// with the items that copy block ids[i] (found in `spans`) to the i-th
+// block-sized row of the buffer at `rows` (into_rows) or back. An id outside
+// every span is an InvalidIndex before anything is written: the kernel trusts
+// these addresses (Note [block items] in torch_ipc/_batched_copy.py).
+void fill_block_items(int64_t* table, const int64_t* ids, size_t n, const std::vector<BlockSpan>& spans,
+                      int64_t block_bytes, int64_t rows, bool into_rows, int64_t item_bytes);
 
 // Whether the kernels load on `device` (PTX ISA 7.0, sm_80 or newer); never
 // throws. `why_not` says why they do not.

@@ -40,7 +40,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .. import _batched_copy
+from .. import _C, _batched_copy
 from ._ids import Ids, pack
 
 _INDEX_SELECT = "index_select"
@@ -52,8 +52,7 @@ class _Memory:
 
     copy_path: str = ""
     """How the last gather()/scatter() copied: "kernel" or "index_select (why)" (Note [kv copies])."""
-    _block_bases: Optional[Tuple[int, torch.Tensor, torch.Tensor]] = None  # chunks, starts, starts' addresses
-    _row_offsets: Optional[torch.Tensor] = None  # i * block_bytes
+    _block_spans: Optional[List[Tuple[int, int, int]]] = None  # (first id, blocks, address) a chunk
 
     @property
     def device(self) -> torch.device:
@@ -149,35 +148,22 @@ class _Memory:
         ok, why = _batched_copy.kernels_available(self._device)
         return "" if ok else why
 
-    def _block_addresses(self, ids: torch.Tensor) -> torch.Tensor:
-        """The address of each block of `ids` (int64, checked), int64 on the CPU: its chunk's
-        address + (id - the chunk's first id) * block_bytes, the chunks' part cached."""
-        if self._block_bases is None or self._block_bases[0] != len(self._chunks):
-            starts = torch.tensor(self._starts, dtype=torch.int64)
-            addresses = torch.tensor([c.data_ptr() for c in self._chunks], dtype=torch.int64)
-            self._block_bases = (len(self._chunks), starts, addresses - starts * self.block_bytes)
-        _, starts, bases = self._block_bases
-        if len(starts) == 1:
-            return torch.add(bases, ids, alpha=self.block_bytes)
-        return torch.add(bases[torch.searchsorted(starts, ids, right=True) - 1], ids, alpha=self.block_bytes)
-
-    def _row_addresses(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The address of each block-sized row of contiguous `tensor`, int64 on the CPU (the
-        offsets cached)."""
-        n = tensor.shape[0]
-        if self._row_offsets is None or len(self._row_offsets) < n:
-            self._row_offsets = torch.arange(max(n, 1024), dtype=torch.int64) * self.block_bytes
-        return torch.add(self._row_offsets[:n], tensor.data_ptr())
+    def _spans(self) -> List[Tuple[int, int, int]]:
+        """(first id, blocks, address) of each mapped chunk, cached until the pool grows."""
+        if self._block_spans is None or len(self._block_spans) != len(self._chunks):
+            self._block_spans = [(first, c.shape[0], c.data_ptr()) for first, c in zip(self._starts, self._chunks)]
+        return self._block_spans
 
     def _table(self, packed: array, rows: torch.Tensor, into_rows: bool, pin: bool, min_items: int) -> torch.Tensor:
         """The CPU table that copies the blocks `packed` (not empty) into the rows of contiguous
-        `rows` (gather), or the rows into the blocks (scatter); the ids are checked first."""
-        ids = torch.frombuffer(packed, dtype=torch.int64)
-        low, high = torch.aminmax(ids)
-        self._check_range(int(low), int(high))
-        blocks, row_addresses = self._block_addresses(ids), self._row_addresses(rows)
-        src, dst = (blocks, row_addresses) if into_rows else (row_addresses, blocks)
-        return _batched_copy.block_items(src, dst, self.block_bytes, pin=pin, min_items=min_items)
+        `rows` (gather), or the rows into the blocks (scatter); the ids are checked first, here
+        and again where the table is filled (Note [block items])."""
+        self._check_range(min(packed), max(packed))
+        size = _batched_copy.item_size(self.block_bytes, len(packed), min_items)
+        per_block = -(-self.block_bytes // size)
+        table = torch.empty((len(packed) * per_block, 4), dtype=torch.int64, pin_memory=pin)
+        _C.fill_block_items(table, packed, self._spans(), self.block_bytes, rows.data_ptr(), into_rows, size)
+        return table
 
     def _copy_blocks(self, packed: array, rows: torch.Tensor, into_rows: bool) -> None:
         """_table's copy as one kernel launch on the current stream (Note [kv copies])."""
