@@ -211,6 +211,10 @@ def kv_allocate(n: int) -> List[int]:
     return STATE["pool"].allocate(n)
 
 
+def kv_free(ids: List[int]) -> None:
+    STATE["pool"].free(ids)
+
+
 def kv_close() -> None:
     STATE.pop("pool").close()
     leave_group()

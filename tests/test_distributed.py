@@ -183,6 +183,82 @@ def test_kv_blocks_move_to_another_nodes_pool_with_their_ownership(staging_bytes
         group.close(check=True)
 
 
+def test_kv_pieces_runs_straight_and_short_runs_gathered():
+    """On a CPU pool, runs of at least DIRECT_MIN_BYTES become pieces of their
+    own (cut at the piece size), shorter runs are packed into gathered pieces,
+    and a run across two chunks is two runs."""
+    from torch_ipc.kv import SharedKVPool
+    from torch_ipc.kv.remote import DIRECT_MIN_BYTES, _encode_lengths, _Memory, _plan
+
+    pool = SharedKVPool(64, (DIRECT_MIN_BYTES // 4,), torch.float16)  # blocks of half DIRECT_MIN_BYTES
+    try:
+        memory = _Memory(pool)
+        ids = [0, 1, 2, 3, 4, 9, 7, 11, 12, 13, 20, 30, 31, 40, 50]
+        # runs: 0-4 (5), 9, 7, 11-13 (3), 20, 30-31 (2), 40, 50
+        assert list(memory.runs(ids)) == [(0, 5), (5, 6), (6, 7), (7, 10), (10, 11), (11, 13), (13, 14), (14, 15)]
+        assert _plan(memory, ids, 3, 2) == [3, 2, 2, 3, 1, 2, 2]
+        assert _plan(memory, ids, 3, 10**6) == [3, 3, 3, 3, 3]  # everything gathered
+        assert _encode_lengths([1] * 256 + [3, 3, 2]) == [[1, 256], [3, 2], [2, 1]]
+        assert memory.view([5, 6, 7]).data_ptr() == pool.block(5).data_ptr() and memory.view([5, 7]) is None
+    finally:
+        pool.close()
+
+
+def test_kv_headers_are_checked_field_by_field():
+    from torch_ipc.kv import SharedKVPool
+    from torch_ipc.kv.remote import MAX_PIECE_BYTES, _check_header
+
+    pool = SharedKVPool(8, SHAPE, DTYPE)
+    try:
+        good = {"kind": "torch_ipc.kv.blocks/2", "n": 5, "pieces": [[2, 2], [1, 1]], "shape": list(SHAPE),
+                "dtype": str(DTYPE), "meta": None}
+        assert _check_header(pool, good) == (5, [2, 2, 1], pool.block_bytes, None)
+        assert "bfloat16" in _check_header(pool, {**good, "dtype": "torch.bfloat16"})[3]  # refused after draining
+        huge = MAX_PIECE_BYTES // pool.block_bytes + 1
+        for bad, match in [
+            ({**good, "kind": "torch_ipc.kv.blocks/1"}, "not a KV blocks header"),
+            ({**good, "n": 0}, "n=0"),
+            ({**good, "pieces": [[2, 2]]}, "do not add up"),
+            ({**good, "pieces": [[5, 1], [0, 3]]}, "do not add up"),
+            ({**good, "pieces": [[1, 10**12], [-1, 10**12 - 5]]}, "do not add up"),
+            ({**good, "pieces": [[2.5, 2]]}, "do not add up"),
+            ({**good, "pieces": "5"}, "do not add up"),
+            ({**good, "n": huge, "pieces": [[huge, 1]]}, "over"),
+            ({**good, "dtype": "os.system"}, "dtype"),
+        ]:
+            with pytest.raises(ValueError, match=match):
+                _check_header(pool, bad)
+    finally:
+        pool.close()
+
+
+def test_kv_blocks_of_mixed_pieces_land_in_a_fragmented_pool():
+    """Blocks of half DIRECT_MIN_BYTES: some pieces straight from the sending
+    pool, some gathered; the receiving pool's free blocks are fragmented at
+    first, so some pieces land straight and some through staging."""
+    from torch_ipc.kv.remote import DIRECT_MIN_BYTES
+
+    shape, url = (DIRECT_MIN_BYTES // 4,), dh.group_url()
+    with PeerGroup(timeout=TIMEOUT) as group:
+        prefill, decode = group.get("prefill"), group.get("decode")
+        prefill.start_call(dh.kv_start, url, 0, 2, 64, shape, torch.float16)
+        decode.call(dh.kv_start, url, 1, 2, 64, shape, torch.float16)
+        prefill.result()
+        ids, data = prefill.call(dh.kv_write, 40, seed=9)
+        held = decode.call(dh.kv_allocate, 10)
+        decode.call(dh.kv_free, held[::2])  # free: 0, 2, 4, 6, 8, then 10 on
+        order = [0, 1, 2, 3, 4, 9, 7, 11, 12, 13, 20, 30, 31, 33, 21, 22, 23, 24, 25, 26, 27]
+        row = len(data) // len(ids)
+        want = b"".join(data[ids.index(i) * row : (ids.index(i) + 1) * row] for i in order)
+        decode.start_call(dh.kv_recv, 0)
+        prefill.call(dh.kv_send, order, 1, staging_bytes=3 * DIRECT_MIN_BYTES // 2)  # 3 blocks a piece
+        got = decode.result()
+        assert got["bytes"] == want and got["ids"][:5] == [0, 2, 4, 6, 8]
+        for peer in (prefill, decode):
+            peer.call(dh.kv_close)
+        group.close(check=True)
+
+
 def test_kv_send_without_transfer_keeps_the_blocks_and_refusals_keep_the_pair_in_step():
     url = dh.group_url()
     with PeerGroup(timeout=TIMEOUT) as group:

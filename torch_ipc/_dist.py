@@ -81,19 +81,31 @@ class Transport:
         return self._dist.broadcast(tensor, src=src, group=self.group, async_op=True)
 
     def send(self, tensor: torch.Tensor, dst: int):
-        if self._through_host(tensor):
-            return _Staged(self._dist.isend(tensor.cpu(), dst=dst, group=self.group))
+        """Start sending ``tensor`` to rank ``dst``; returns the work to ``wait()`` on."""
+        if self.through_host(tensor):
+            host = _pinned_like(tensor)
+            host.copy_(tensor)  # after the work queued on the current stream; the host waits for it
+            return _Staged(self._dist.isend(host, dst=dst, group=self.group), host)
         return self._dist.isend(tensor, dst=dst, group=self.group)
 
     def recv(self, tensor: torch.Tensor, src: int):
-        if self._through_host(tensor):
-            host = torch.empty(tensor.shape, dtype=tensor.dtype)
+        """Start receiving ``tensor`` from rank ``src``; its ``wait()`` returns
+        once the bytes are in ``tensor`` (CUDA: ordered on the current stream)."""
+        if self.through_host(tensor):
+            host = _pinned_like(tensor)
             return _Staged(self._dist.irecv(host, src=src, group=self.group), host, tensor)
         return self._dist.irecv(tensor, src=src, group=self.group)
 
-    def _through_host(self, tensor: torch.Tensor) -> bool:
-        # gloo's point-to-point calls take host memory only (a CUDA tensor
-        # fails with EFAULT); its broadcast takes CUDA tensors as they are.
+    def through_host(self, tensor: torch.Tensor) -> bool:
+        """Whether a send or receive of ``tensor`` is staged in host memory.
+        Note [CUDA tensors over gloo]: gloo's point-to-point calls take host
+        memory only (a CUDA tensor fails with EFAULT), its broadcast takes CUDA
+        tensors and stages them itself. A staged piece is copied into page-
+        locked memory from torch's caching host allocator (no allocation per
+        piece once warm) with a synchronous copy, so the caller may overwrite
+        its tensor as soon as send() returns, and the bytes of a piece are on
+        the wire while the next piece is being copied; callers bound how many
+        staged pieces are in flight (torch_ipc/kv/remote.py keeps two)."""
         return tensor.device.type == "cuda" and "nccl" not in self.backend
 
     # ------------------------------------------------------------- small messages
@@ -161,16 +173,22 @@ class Transport:
         return self._decode(data)
 
 
-class _Staged:
-    """A send or receive that goes through host memory: wait() also copies a
-    received host buffer into its destination."""
+def _pinned_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
 
-    def __init__(self, work: Any, host: Optional[torch.Tensor] = None, into: Optional[torch.Tensor] = None):
+
+class _Staged:
+    """A send or receive through host memory (Note [CUDA tensors over gloo]):
+    holds the host buffer until wait(), which also copies a received one
+    into its destination."""
+
+    def __init__(self, work: Any, host: torch.Tensor, into: Optional[torch.Tensor] = None):
         self._work, self._host, self._into = work, host, into
 
     def wait(self) -> bool:
         self._work.wait()
         if self._into is not None:
-            self._into.copy_(self._host)
+            self._into.copy_(self._host)  # synchronous: the host buffer goes back to the cache after it
             self._into = None
+        self._host = None
         return True

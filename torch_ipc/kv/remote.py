@@ -8,27 +8,41 @@
 
 Note [KV blocks across nodes]
 The local hand-over (Note [hand-over] in torch_ipc/kv/__init__.py) passes
-ids; across nodes the bytes must move. ``send_blocks`` sends a JSON header
-(count, layout, meta, piece size), then the blocks in pieces of at most
-``staging_bytes``: a piece whose ids are one run of consecutive blocks of a
-chunk goes straight from the pool's memory, any other is gathered into one
-of two staging buffers (the gather of piece k + 1 overlaps the send of piece
-k). ``recv_blocks`` allocates the blocks in its own pool first, then receives
-each piece straight into a run of them or into staging and scatters it. The
-semantics are the local hand-over's: the bytes sent are those written on the
-sender's current stream before the call (the sends are ordered after it),
-the receiver's current stream is ordered after the scatter (the host does
-not wait for NCCL), the receiver holds the new blocks and frees them, and
-with ``transfer`` (default) the sender's blocks go back to its pool once the
+ids; across nodes the bytes must move. ``send_blocks`` cuts the ids into
+pieces of at most ``staging_bytes`` and sends a JSON header (count, layout,
+meta, the pieces' lengths run-length encoded), then the pieces. A piece is
+either one run of consecutive blocks of a chunk, sent straight from the
+pool's memory, or short runs gathered into one of two staging buffers. On a
+CPU pool every run of at least DIRECT_MIN_BYTES goes straight (a host gather
+costs about what the wire does: random ids of 128 KiB blocks went at a fifth
+of a raw send when gathered, at its speed straight); on a CUDA pool only runs
+that fill a piece do (a device gather is cheap, a message is not).
+``recv_blocks`` allocates the blocks in its own pool first, then receives
+each piece straight into a run of them or into staging and scatters it.
+Pieces without staging are all posted at once (a gloo send moves only once
+its receive is posted: one posted at a time left the wire idle for a round
+trip per piece); at most two staged pieces (staging buffers, or host memory
+for CUDA tensors over gloo, Note [CUDA tensors over gloo] in _dist.py) are
+in flight on each side, so the gather or copy of the next overlaps the
+transfer of this one and staging memory stays bounded. The semantics are
+the local hand-over's: the bytes sent are those written on the sender's
+current stream before the call (the sends are ordered after it), the
+receiver's current stream is ordered after the scatter (the host does not
+wait for NCCL), the receiver holds the new blocks and frees them, and with
+``transfer`` (default) the sender's blocks go back to its pool once the
 sends completed. A receiver whose pool cannot take the blocks (other
 layout, too few free) still drains the pieces, so the pair stays in step,
 then raises. Only the pool's public API is used. Another transport: Note
 [cross-node transport] in torch_ipc/_dist.py.
 """
 
+import bisect
+import collections
+import functools
+import itertools
 import json
 import math
-from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,9 +51,11 @@ from . import LayoutMismatchError, OutOfBlocksError, SharedKVPool
 
 __all__ = ["send_blocks", "recv_blocks", "RemoteHandover"]
 
-_KIND = "torch_ipc.kv.blocks/1"
+_KIND = "torch_ipc.kv.blocks/2"
 DEFAULT_STAGING_BYTES = 64 << 20
 MAX_PIECE_BYTES = 1 << 30  # a receiver stages at most this much per piece, whatever a sender announces
+DIRECT_MIN_BYTES = 64 << 10  # a CPU pool's runs of at least this many bytes are sent without a gather
+STAGED_IN_FLIGHT = 2  # staged pieces in flight per side (two staging buffers)
 
 
 class RemoteHandover(NamedTuple):
@@ -51,22 +67,118 @@ class RemoteHandover(NamedTuple):
     src: int
 
 
-def _runs(pool: SharedKVPool, ids: Sequence[int]) -> Optional[torch.Tensor]:
-    """The pool's memory of `ids` as one tensor when they are consecutive
-    blocks of one chunk (nothing to gather), else None."""
-    first = ids[0]
-    if list(ids) != list(range(first, first + len(ids))):
-        return None
-    start = 0
-    for chunk in pool.chunks:
-        if start <= first and first + len(ids) <= start + chunk.shape[0]:
-            return chunk[first - start : first - start + len(ids)]
-        start += chunk.shape[0]
-    return None
+class _Memory:
+    """Where consecutive blocks of a pool lie: one view of a chunk per run."""
+
+    def __init__(self, pool: SharedKVPool):
+        self.chunks = pool.chunks
+        self.ends = list(itertools.accumulate(c.shape[0] for c in self.chunks))
+
+    def _chunk(self, block: int) -> int:
+        """The chunk holding `block`, or len(chunks) (not mapped here: never straight)."""
+        return bisect.bisect_right(self.ends, block) if block >= 0 else len(self.chunks)
+
+    def view(self, ids: Sequence[int]) -> Optional[torch.Tensor]:
+        """The pool's memory of `ids` as one tensor when they are consecutive
+        blocks of one chunk (nothing to gather or scatter), else None."""
+        first, n = ids[0], len(ids)
+        if ids[-1] != first + n - 1 or any(ids[i] != first + i for i in range(1, n - 1)):
+            return None
+        chunk = self._chunk(first)
+        if chunk >= len(self.chunks) or first + n > self.ends[chunk]:
+            return None
+        start = self.ends[chunk] - self.chunks[chunk].shape[0]
+        return self.chunks[chunk][first - start : first - start + n]
+
+    def runs(self, ids: Sequence[int]) -> Iterator[Tuple[int, int]]:
+        """Positions [lo, hi) in `ids` of its maximal runs of consecutive blocks of one chunk."""
+        lo, chunk = 0, self._chunk(ids[0])
+        for i in range(1, len(ids) + 1):
+            if i < len(ids) and ids[i] == ids[i - 1] + 1 and chunk < len(self.chunks) and ids[i] < self.ends[chunk]:
+                continue
+            yield lo, i
+            if i < len(ids):
+                lo, chunk = i, self._chunk(ids[i])
 
 
-def _pieces(n: int, piece: int) -> List[Tuple[int, int]]:
-    return [(lo, min(lo + piece, n)) for lo in range(0, n, piece)]
+def _plan(memory: _Memory, ids: Sequence[int], piece: int, direct_min: int) -> List[int]:
+    """The lengths of the pieces (Note [KV blocks across nodes]): runs of at
+    least `direct_min` blocks cut into pieces of at most `piece`, shorter runs
+    packed together into pieces of `piece` blocks to gather."""
+    lengths: List[int] = []
+    packed = 0  # blocks of short runs waiting to fill a gathered piece
+    for lo, hi in memory.runs(ids):
+        if hi - lo < direct_min:
+            packed += hi - lo
+            while packed >= piece:
+                lengths.append(piece)
+                packed -= piece
+            continue
+        if packed:
+            lengths.append(packed)
+            packed = 0
+        lengths.extend(min(piece, hi - a) for a in range(lo, hi, piece))
+    if packed:
+        lengths.append(packed)
+    return lengths
+
+
+def _encode_lengths(lengths: List[int]) -> List[List[int]]:
+    """[[length, repeat], ...]: 256 single blocks are one pair, not 256 numbers."""
+    return [[length, len(list(group))] for length, group in itertools.groupby(lengths)]
+
+
+def _bounds(lengths: Sequence[int]) -> List[Tuple[int, int]]:
+    ends = list(itertools.accumulate(lengths))
+    return [(end - length, end) for length, end in zip(lengths, ends)]
+
+
+class _InFlight:
+    """Sends or receives of pieces started, oldest first, and the staging
+    buffers: at most STAGED_IN_FLIGHT pieces that hold staging (a buffer, or
+    host memory for CUDA over gloo) are in flight; the others are all posted
+    at once."""
+
+    def __init__(self, transport: Transport, pool: SharedKVPool, piece_blocks: int):
+        self._transport, self._pool, self._piece_blocks = transport, pool, piece_blocks
+        self._items: Deque[Tuple[Any, bool, Optional[torch.Tensor], Optional[Callable[[], None]]]] = \
+            collections.deque()
+        self._staged = 0
+        self._buffers: List[torch.Tensor] = []  # the free staging buffers
+
+    def prepare(self, view: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], bool]:
+        """(a staging buffer or None, staged) for a piece whose pool memory is
+        `view` (None: not one run), once one more staged piece fits."""
+        staged = view is None or self._transport.through_host(view)
+        if staged:
+            while self._staged >= STAGED_IN_FLIGHT:
+                self._pop()
+        if view is not None:
+            return None, staged
+        if not self._buffers:  # at most STAGED_IN_FLIGHT are made: the loop above gave one back otherwise
+            pool = self._pool
+            self._buffers.append(torch.empty((self._piece_blocks, *pool.block_shape), dtype=pool.dtype,
+                                             device=pool.device))
+        return self._buffers.pop(), staged
+
+    def add(self, work: Any, staged: bool, buffer: Optional[torch.Tensor],
+            then: Optional[Callable[[], None]] = None) -> None:
+        """A piece started; `then()` runs once it is done, before its buffer is reused."""
+        self._items.append((work, staged, buffer, then))
+        self._staged += staged
+
+    def _pop(self) -> None:
+        work, staged, buffer, then = self._items.popleft()
+        self._staged -= staged
+        work.wait()
+        if then is not None:
+            then()
+        if buffer is not None:
+            self._buffers.append(buffer)
+
+    def drain(self) -> None:
+        while self._items:
+            self._pop()
 
 
 def send_blocks(
@@ -84,62 +196,78 @@ def send_blocks(
     :func:`recv_blocks`. ``meta``: any JSON value, travelling along (JSON,
     not pickle: a process group is not authenticated). ``transfer``: give
     the blocks back to this pool after the send (default), else keep them.
+    ``staging_bytes``: the largest piece (two staging buffers of it at most).
     See Note [KV blocks across nodes]."""
     ids = [int(i) for i in ids]
     if not ids:
         raise ValueError("torch_ipc: send_blocks() of no blocks")
     if len(set(ids)) != len(ids):
         raise ValueError("torch_ipc: send_blocks() of a block listed twice")
-    not_held = sorted(set(ids) - set(pool.held()))
+    not_held = set(ids).difference(pool.held())
     if not_held:
-        raise ValueError(f"torch_ipc: cannot send block {not_held[0]}: this process does not hold it")
+        raise ValueError(f"torch_ipc: cannot send block {min(not_held)}: this process does not hold it")
     transport = Transport(group)
     transport.check_device(pool.chunks[0] if pool.chunks else pool.block(ids[0]))
     piece = max(1, min(len(ids), int(staging_bytes) // pool.block_bytes))
-    header = {"kind": _KIND, "n": len(ids), "piece": piece, "shape": list(pool.block_shape),
+    memory = _Memory(pool)
+    direct_min = piece if pool.device.type == "cuda" else -(-DIRECT_MIN_BYTES // pool.block_bytes)
+    lengths = _plan(memory, ids, piece, direct_min)
+    header = {"kind": _KIND, "n": len(ids), "pieces": _encode_lengths(lengths), "shape": list(pool.block_shape),
               "dtype": str(pool.dtype), "meta": meta}
     try:
         json.dumps(header)
     except (TypeError, ValueError) as e:
         raise TypeError(f"torch_ipc: meta must be a JSON value ({e})") from None
     transport.send_json(header, dst)
-    staging: List[torch.Tensor] = []
-    works: List[Any] = [None, None]
-    for k, (lo, hi) in enumerate(_pieces(len(ids), piece)):
-        if works[k % 2] is not None:
-            works[k % 2].wait()  # the send of piece k - 2 is done with its staging buffer
-        data = _runs(pool, ids[lo:hi])
-        if data is None:
-            if len(staging) < 2:
-                staging.append(torch.empty((piece, *pool.block_shape), dtype=pool.dtype, device=pool.device))
-            data = pool.gather(ids[lo:hi], out=staging[k % 2][: hi - lo])
-        works[k % 2] = transport.send(data, dst)
-    for work in works:
-        if work is not None:
-            work.wait()
+    _send_pieces(transport, pool, memory, ids, lengths, dst)
     if transfer:
         pool.free(ids)  # CUDA: once the current stream, which waited for the sends, gets there
 
 
-def _check_header(pool: SharedKVPool, header: Any) -> Tuple[int, int, int, Optional[str]]:
-    """(blocks, piece, the sender's block bytes, why this pool cannot take
-    them or None) of a peer's header, every field checked."""
+def _send_pieces(transport: Transport, pool: SharedKVPool, memory: _Memory, ids: List[int],
+                 lengths: List[int], dst: int) -> None:
+    in_flight = _InFlight(transport, pool, max(lengths))
+    for lo, hi in _bounds(lengths):
+        data = memory.view(ids[lo:hi])
+        buffer, staged = in_flight.prepare(data)
+        if buffer is not None:
+            data = pool.gather(ids[lo:hi], out=buffer[: hi - lo])
+        in_flight.add(transport.send(data, dst), staged, buffer)
+    in_flight.drain()
+
+
+def _lengths_from(header: Dict[str, Any], n: int) -> List[int]:
+    """The pieces' lengths of a peer's header, checked: positive, adding up to n."""
+    pairs = header.get("pieces")
+    if not (isinstance(pairs, list) and all(isinstance(p, list) and len(p) == 2 and all(type(v) is int and v > 0
+                                                                                     for v in p) for p in pairs)
+            and sum(repeat for _, repeat in pairs) <= n and sum(length * repeat for length, repeat in pairs) == n):
+        raise ValueError(f"torch_ipc: a KV blocks header whose pieces {str(pairs)[:200]} do not add up to {n} "
+                         "blocks; the pair is out of step")
+    return [length for length, repeat in pairs for _ in range(repeat)]
+
+
+def _check_header(pool: SharedKVPool, header: Any) -> Tuple[int, List[int], int, Optional[str]]:
+    """(blocks, the pieces' lengths, the sender's block bytes, why this pool
+    cannot take them or None) of a peer's header, every field checked."""
     if not isinstance(header, dict) or header.get("kind") != _KIND:
-        raise ValueError("torch_ipc: recv_blocks() got something that is not a KV blocks header")
-    n, piece, shape, dtype = header.get("n"), header.get("piece"), header.get("shape"), header.get("dtype")
-    if type(n) is not int or type(piece) is not int or not 0 < piece <= n < 2**40:
-        raise ValueError(f"torch_ipc: a KV blocks header with n={n!r}, piece={piece!r}; the pair is out of step")
+        raise ValueError("torch_ipc: recv_blocks() got something that is not a KV blocks header "
+                         f"of this version ({_KIND})")
+    n, shape, dtype = header.get("n"), header.get("shape"), header.get("dtype")
+    if type(n) is not int or not 0 < n < 2**40:
+        raise ValueError(f"torch_ipc: a KV blocks header with n={n!r}; the pair is out of step")
     if not (isinstance(shape, list) and all(type(d) is int and 0 <= d < 2**40 for d in shape)
             and dtype_from_name(dtype) is not None):
         raise ValueError(f"torch_ipc: a KV blocks header with shape {shape!r}, dtype {dtype!r}")
+    lengths = _lengths_from(header, n)
     block_bytes = math.prod(shape) * torch.empty(0, dtype=dtype_from_name(dtype)).element_size()
-    if piece * block_bytes > max(MAX_PIECE_BYTES, pool.block_bytes):
-        raise ValueError(f"torch_ipc: the sender's pieces of {piece * block_bytes} bytes are over "
+    if max(lengths) * block_bytes > max(MAX_PIECE_BYTES, block_bytes):
+        raise ValueError(f"torch_ipc: the sender's pieces of {max(lengths) * block_bytes} bytes are over "
                          f"{MAX_PIECE_BYTES}; the pair is out of step")
     if shape != list(pool.block_shape) or dtype != str(pool.dtype):
-        return n, piece, block_bytes, (f"the sender's blocks are {dtype} of shape {tuple(shape)}, "
-                                       f"this pool's {pool.dtype} of shape {pool.block_shape}")
-    return n, piece, block_bytes, None
+        return n, lengths, block_bytes, (f"the sender's blocks are {dtype} of shape {tuple(shape)}, "
+                                         f"this pool's {pool.dtype} of shape {pool.block_shape}")
+    return n, lengths, block_bytes, None
 
 
 def recv_blocks(
@@ -155,7 +283,7 @@ def recv_blocks(
     draining what was sent, so the pair stays in step)."""
     transport = Transport(group)
     header = transport.recv_json(src)
-    n, piece, block_bytes, mismatch = _check_header(pool, header)
+    n, lengths, block_bytes, mismatch = _check_header(pool, header)
     ids: List[int] = []
     error: Optional[Exception] = LayoutMismatchError(f"torch_ipc: cannot receive KV blocks: {mismatch}") \
         if mismatch else None
@@ -165,42 +293,31 @@ def recv_blocks(
         except OutOfBlocksError as e:
             error = e
     if error is not None:
-        _drain(transport, pool, n * block_bytes, piece * block_bytes, src)
+        _drain(transport, pool, [length * block_bytes for length in lengths], src)
         raise error
     try:
-        _receive_pieces(transport, pool, ids, piece, src)
+        _receive_pieces(transport, pool, ids, lengths, src)
     except BaseException:
         pool.free(ids)
         raise
     return RemoteHandover(ids, header.get("meta"), int(src))
 
 
-def _receive_pieces(transport: Transport, pool: SharedKVPool, ids: List[int], piece: int, src: int) -> None:
-    staging: List[torch.Tensor] = []
-    pending: List[Tuple[Any, Optional[torch.Tensor], List[int]]] = []  # (work, staging or None, ids)
-
-    def finish(work, buffer, piece_ids) -> None:
-        work.wait()
+def _receive_pieces(transport: Transport, pool: SharedKVPool, ids: List[int], lengths: List[int], src: int) -> None:
+    memory, in_flight = _Memory(pool), _InFlight(transport, pool, max(lengths))
+    for lo, hi in _bounds(lengths):
+        target, then = memory.view(ids[lo:hi]), None
+        buffer, staged = in_flight.prepare(target)
         if buffer is not None:
-            pool.scatter(piece_ids, buffer)
-
-    for k, (lo, hi) in enumerate(_pieces(len(ids), piece)):
-        target = _runs(pool, ids[lo:hi])
-        buffer = None
-        if target is None:
-            if len(staging) < 2:
-                staging.append(torch.empty((piece, *pool.block_shape), dtype=pool.dtype, device=pool.device))
-            buffer = staging[k % 2][: hi - lo]
-        if len(pending) == 2:  # the staging buffer of piece k - 2 is scattered before it is reused
-            finish(*pending.pop(0))
-        pending.append((transport.recv(target if buffer is None else buffer, src), buffer, ids[lo:hi]))
-    for item in pending:
-        finish(*item)
+            target = buffer[: hi - lo]
+            then = functools.partial(pool.scatter, ids[lo:hi], target)
+        in_flight.add(transport.recv(target, src), staged, buffer, then)
+    in_flight.drain()
 
 
-def _drain(transport: Transport, pool: SharedKVPool, total: int, piece: int, src: int) -> None:
-    """Receive and drop the `total` bytes, in pieces of `piece` (checked in
-    _check_header), that a sender sends and this pool cannot take."""
-    scratch = torch.empty(piece, dtype=torch.uint8, device=pool.device)
-    for lo in range(0, total, piece):
-        transport.recv(scratch[: min(piece, total - lo)], src).wait()
+def _drain(transport: Transport, pool: SharedKVPool, sizes: List[int], src: int) -> None:
+    """Receive and drop the pieces of `sizes` bytes (checked in _check_header)
+    that a sender sends and this pool cannot take."""
+    scratch = torch.empty(max(sizes), dtype=torch.uint8, device=pool.device)
+    for size in sizes:
+        transport.recv(scratch[:size], src).wait()
