@@ -191,15 +191,12 @@ def _flat(obj):
     kind = type(obj)
     if kind is torch.Tensor:
         if _C.shared_natively(obj):
-            return [obj], [False], _SINGLE
+            return [obj], [], _SINGLE
     elif kind is dict or kind is list or kind is tuple:
         values = list(obj.values()) if kind is dict else list(obj)
         types = set(map(type, values))
         if values and types <= _PLAIN_SET and _C.all_shared_natively(values):
-            if torch.nn.Parameter in types:
-                parameters = [type(v) is torch.nn.Parameter for v in values]
-            else:
-                parameters = [False] * len(values)
+            parameters = [type(v) is torch.nn.Parameter for v in values] if torch.nn.Parameter in types else []
             if kind is dict:
                 keys = list(obj)
                 if set(map(type, keys)) == _STR_SET:
@@ -324,7 +321,9 @@ def _pickled_without_tensors(obj: Any, protocol) -> Optional[bytes]:
 
 def split(obj: Any, *, protocol=pickle.HIGHEST_PROTOCOL):
     """(tensors, is_parameter, payload): the tensors in ``obj`` and the rest
-    (pickled with ``protocol`` where the fast paths do not apply)."""
+    (pickled with ``protocol`` where the fast paths do not apply).
+    ``is_parameter`` has one entry per tensor, or none when no tensor is an
+    nn.Parameter (as export_tensors takes it: no list of n False to build)."""
     tensors, parameters, payload = _flat(obj)
     if payload is None:
         tensors, parameters = [], []
@@ -421,17 +420,20 @@ def load_single_tensor(data: bytes) -> torch.Tensor:
     unpickled (Note [single-tensor descriptors])."""
     _runtime.ensure_started()
     tensors, is_parameter, payload, pending = _C.load(bytes(data), None if _cuda_ready else _ensure_cuda)
-    if payload != _SINGLE or len(tensors) != 1 or any(is_parameter):
+    if payload != _SINGLE or len(tensors) != 1 or is_parameter is not None:
         raise DescriptorError("torch_ipc: expected a descriptor of one tensor and nothing else")
     pending.commit()
     return tensors[0]
 
 
 def _rebuild(tensors, is_parameter, payload: bytes, weights_only: bool) -> Any:
-    """The object of a payload, on the tensors of its load."""
-    for i, is_param in enumerate(is_parameter):
-        if is_param:
-            tensors[i] = torch.nn.Parameter(tensors[i], requires_grad=tensors[i].requires_grad)
+    """The object of a payload, on the tensors of its load (``is_parameter``:
+    None when no tensor is an nn.Parameter, Note [a load's Python objects] in
+    csrc/python/core.cpp)."""
+    if is_parameter is not None:
+        for i, is_param in enumerate(is_parameter):
+            if is_param:
+                tensors[i] = torch.nn.Parameter(tensors[i], requires_grad=tensors[i].requires_grad)
     tag = payload[:1]
     try:
         if tag == _SINGLE:

@@ -77,6 +77,8 @@ void check_shareable(const at::Tensor& t) {
   const c10::DeviceType type = t.storage().device_type();
   TORCH_IPC_CHECK(type == c10::DeviceType::CUDA || type == c10::DeviceType::CPU,
               "torch_ipc shares CUDA and CPU tensors, not ", t.storage().device());
+  TORCH_IPC_CHECK(t.dim() <= kMaxDims, "torch_ipc shares tensors of at most ", kMaxDims, " dimensions, not ",
+                  t.dim());
   for (int64_t s : t.strides())
     TORCH_IPC_CHECK(s >= 0, "torch_ipc: tensors with negative strides cannot be shared");
 }
@@ -86,19 +88,45 @@ void check_shareable(const at::Tensor& t) {
 struct MessageStorages {
   std::vector<c10::Storage> storages;
   std::vector<uint32_t> of_tensor;
+  size_t dims = 0;  // of all tensors, for reserving the descriptor's shapes
 };
 
-MessageStorages collect_storages(const std::vector<at::Tensor>& tensors) {
+// The index of each distinct StorageImpl of a message: open addressing in a
+// table of at least twice as many slots as tensors, so that a message of many
+// storages allocates once, not once per storage (as a node-based map would).
+class StorageIndex {
+ public:
+  explicit StorageIndex(size_t tensors) {
+    while ((size_t{1} << bits_) < 2 * tensors) ++bits_;
+    slots_.resize(size_t{1} << bits_);
+  }
+  // The index of `impl`, given `next` when it is new; `inserted` says which.
+  uint32_t find_or_add(const c10::StorageImpl* impl, uint32_t next, bool& inserted) {
+    const size_t mask = slots_.size() - 1;
+    size_t i = (reinterpret_cast<uintptr_t>(impl) * 0x9E3779B97F4A7C15ull) >> (64 - bits_);
+    while (slots_[i].first != nullptr && slots_[i].first != impl) i = (i + 1) & mask;
+    inserted = slots_[i].first == nullptr;
+    if (inserted) slots_[i] = {impl, next};
+    return slots_[i].second;
+  }
+
+ private:
+  int bits_ = 1;
+  std::vector<std::pair<const c10::StorageImpl*, uint32_t>> slots_;
+};
+
+MessageStorages collect_storages(const TensorRefs& tensors) {
   MessageStorages m;
-  std::unordered_map<const c10::StorageImpl*, uint32_t> index;
+  StorageIndex index(tensors.size());
   m.of_tensor.reserve(tensors.size());
   for (const at::Tensor& t : tensors) {
     check_shareable(t);
+    m.dims += t.dim();
     const c10::Storage& storage = t.storage();
-    auto [it, inserted] = index.emplace(storage.unsafeGetStorageImpl(),
-                                        static_cast<uint32_t>(m.storages.size()));
+    bool inserted;
+    m.of_tensor.push_back(index.find_or_add(storage.unsafeGetStorageImpl(),
+                                            static_cast<uint32_t>(m.storages.size()), inserted));
     if (inserted) m.storages.push_back(storage);
-    m.of_tensor.push_back(it->second);
   }
   return m;
 }
@@ -113,7 +141,7 @@ struct Source {
 
 std::vector<Source> find_sources(const std::vector<c10::Storage>& storages) {
   std::vector<Source> sources(storages.size());
-  std::vector<c10::Storage> own;
+  StorageRefs own;
   std::vector<size_t> own_index;
   for (size_t i = 0; i < storages.size(); ++i) {
     const c10::Storage& storage = storages[i];
@@ -121,7 +149,7 @@ std::vector<Source> find_sources(const std::vector<c10::Storage>& storages) {
     if (auto origin = imported_origin(storage)) {
       sources[i] = Source{Source::Forwarded, origin->where, origin->lease};
     } else {
-      own.push_back(storage);
+      own.push_back(std::cref(storage));
       own_index.push_back(i);
     }
   }
@@ -168,12 +196,17 @@ class TableBuilder {
   std::map<int, uint16_t> devices;
 
  private:
+  // Storages of one message mostly share the allocation of the one before
+  // (torch's caching allocator carves them out of one segment): that one is
+  // compared first, the table asked only for another.
   uint32_t alloc(const Source& source) {
     const Allocation& a = source.where.alloc;
     const bool own = source.kind == Source::Own;
-    auto key = std::make_tuple(static_cast<uint8_t>(a.kind), a.handle,
-                               own ? LeaseKey{} : key_of(source.owner_lease));
+    AllocKey key{static_cast<uint8_t>(a.kind), a.handle, own ? LeaseKey{} : key_of(source.owner_lease)};
+    if (!d_.allocs.empty() && key == last_) return last_index_;
     auto [it, inserted] = allocs_.emplace(key, static_cast<uint32_t>(d_.allocs.size()));
+    last_ = key;
+    last_index_ = it->second;
     if (!inserted) return it->second;
     AllocRecord ar;
     ar.kind = a.kind;
@@ -186,19 +219,34 @@ class TableBuilder {
     return it->second;
   }
 
+  struct AllocKey {
+    uint8_t kind = 0;
+    Handle64 handle{};
+    LeaseKey lease;
+    bool operator==(const AllocKey&) const = default;
+  };
+  struct AllocKeyHash {
+    size_t operator()(const AllocKey& k) const { return handle_hash(k.handle) ^ k.kind ^ std::get<4>(k.lease); }
+  };
+
   Descriptor& d_;
-  std::map<std::tuple<uint8_t, Handle64, LeaseKey>, uint32_t> allocs_;
+  std::unordered_map<AllocKey, uint32_t, AllocKeyHash> allocs_;
+  AllocKey last_;
+  uint32_t last_index_ = 0;
 };
 
-TensorRecord tensor_record(const at::Tensor& t, uint32_t storage, bool is_parameter) {
+// Tensor `t` as a record of `d`, its shape appended to d.dims (Note [shapes in one table]).
+void add_tensor(Descriptor& d, const at::Tensor& t, uint32_t storage, bool is_parameter) {
   TensorRecord tr;
   tr.storage = storage;
   tr.dtype = static_cast<uint8_t>(t.scalar_type());
   tr.flags = (t.requires_grad() ? kRequiresGrad : 0) | (is_parameter ? kParameter : 0);
   tr.storage_offset = t.storage_offset();
-  tr.sizes.assign(t.sizes().begin(), t.sizes().end());
-  tr.strides.assign(t.strides().begin(), t.strides().end());
-  return tr;
+  tr.ndim = static_cast<uint8_t>(t.dim());
+  tr.dims = d.dims.size();
+  d.dims.insert(d.dims.end(), t.sizes().begin(), t.sizes().end());
+  d.dims.insert(d.dims.end(), t.strides().begin(), t.strides().end());
+  d.tensors.push_back(tr);
 }
 
 // Step 4: order. One event per device whose current stream still has work,
@@ -286,7 +334,7 @@ void Export::forbid_loads() {
   revoke();
 }
 
-std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
+std::shared_ptr<Export> export_tensors(const TensorRefs& tensors,
                                        const std::vector<bool>& is_parameter,
                                        const std::string& payload, uint32_t consumers,
                                        bool while_referenced) {
@@ -303,6 +351,8 @@ std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
   auto record = std::make_unique<ExportRecord>();
   record->exported_at_ns = steady_now_ns();
   d.storages.reserve(message.storages.size());
+  record->storages.reserve(message.storages.size());
+  record->locations.reserve(message.storages.size());
   for (size_t i = 0; i < message.storages.size(); ++i) {
     tables.add_storage(message.storages[i], sources[i]);
     if (sources[i].kind != Source::Own) continue;
@@ -311,9 +361,9 @@ std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
     record->bytes += message.storages[i].nbytes();
   }
   d.tensors.reserve(tensors.size());
+  d.dims.reserve(2 * message.dims);
   for (size_t i = 0; i < tensors.size(); ++i)
-    d.tensors.push_back(tensor_record(tensors[i], message.of_tensor[i],
-                                      !is_parameter.empty() && is_parameter[i]));
+    add_tensor(d, tensors[i], message.of_tensor[i], !is_parameter.empty() && is_parameter[i]);
   record_events(d, tables.devices);
   return attach_leases_and_encode(d, tables, std::move(record), consumers, while_referenced);
 }

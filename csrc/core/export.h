@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -53,10 +54,16 @@ class __attribute__((visibility("hidden"))) Export {
 // Note [one shareability rule] in export.cpp.
 bool shared_natively(const at::Tensor& t);
 
+// The tensors of a message, by reference: their holder (Python's list) keeps
+// them. A copy of an at::Tensor that has a Python object would take a
+// reference to that object, GIL and all (c10's Note [PyObject preservation
+// for Tensor and Storages]), and drop it again, for every tensor.
+using TensorRefs = std::vector<std::reference_wrapper<const at::Tensor>>;
+
 // `is_parameter[i]`: rebuild tensor i as an nn.Parameter (Python knows, C++ does not).
 // `consumers`: loads to wait for; 0 for an open-ended export (Note [open-ended exports]).
 // `while_referenced`: also keep it while this process references the storages.
-std::shared_ptr<Export> export_tensors(const std::vector<at::Tensor>& tensors,
+std::shared_ptr<Export> export_tensors(const TensorRefs& tensors,
                                        const std::vector<bool>& is_parameter,
                                        const std::string& payload, uint32_t consumers,
                                        bool while_referenced = false);

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <unordered_map>
 
 #include "cuda/cuda_context.h"
 #include "cuda/cuda_driver.h"
@@ -73,9 +74,12 @@ struct PendingRelease {
 // The producer's lease is released already; the open handle may keep the
 // segment's memory until it closes if the producer frees it (empty_cache).
 using MappingKey = std::pair<uint8_t, Handle64>;
+struct MappingKeyHash {
+  size_t operator()(const MappingKey& k) const { return handle_hash(k.second) ^ k.first; }
+};
 struct Consumer {
   std::recursive_mutex mu;
-  std::map<MappingKey, std::shared_ptr<Mapping>> mappings;
+  std::unordered_map<MappingKey, std::shared_ptr<Mapping>, MappingKeyHash> mappings;
   std::vector<PendingRelease> pending;
   std::vector<std::pair<int, CUevent>> spare_events;
   std::atomic<int64_t> holds{0};
@@ -151,19 +155,19 @@ bool release_ready(const PendingRelease& p) {
 // ---------------------------------------------------------------- mapping
 
 // A host segment's name (Note [names]) and nothing else: a handle is never a path.
-std::string host_name(const Handle64& h) {
+std::string_view host_name(const Handle64& h) {
   size_t n = 0;
   while (n < h.size() && h[n] != 0) ++n;
   for (size_t i = n; i < h.size(); ++i)
     if (h[i] != 0) throw DescriptorError("malformed torch_ipc descriptor: bytes after a shared memory name");
-  std::string name(reinterpret_cast<const char*>(h.data()), n);
+  std::string_view name(reinterpret_cast<const char*>(h.data()), n);
   auto parsed = n > 0 && name[0] == '/' ? parse_shared_file_name(name.substr(1)) : std::nullopt;
   if (!parsed || parsed->lease) throw DescriptorError("malformed torch_ipc descriptor: bad shared memory name");
   return name;
 }
 
 void open_host(Mapping& m, const ProcessId& owner) {
-  std::string name = host_name(m.where.handle);
+  const std::string name(host_name(m.where.handle));
   std::shared_ptr<ShmMapping> shm = open_host_segment(name, m.where.size);
   if (!shm) {
     if (!process_alive(owner)) throw producer_gone(owner.pid, "its shared memory is gone");
@@ -227,9 +231,9 @@ std::shared_ptr<Mapping> open_mapping(const Allocation& where, const ProcessId& 
   return m;
 }
 
+// Under c.mu.
 std::shared_ptr<Mapping> get_mapping(Consumer& c, const Allocation& where, const ProcessId& owner) {
   MappingKey key{static_cast<uint8_t>(where.kind), where.handle};
-  std::lock_guard<std::recursive_mutex> lock(c.mu);
   auto it = c.mappings.find(key);
   if (it != c.mappings.end() && it->second->where.size >= where.size &&
       it->second->where.device == where.device) {
@@ -251,7 +255,7 @@ std::string tensor_kinds(const Descriptor& d) {
 
 // Step 1: a descriptor of this machine's boot whose producer lives, and
 // nothing in it that can be refused without asking its producer.
-Descriptor decode_and_check(const std::string& data, Liveness& alive, const std::function<void()>& before_cuda) {
+Descriptor decode_and_check(std::string_view data, Liveness& alive, const std::function<void()>& before_cuda) {
   Descriptor d = decode(data.data(), data.size());
   if (d.boot_id != boot_id())
     throw DescriptorError(
@@ -342,6 +346,7 @@ std::vector<std::shared_ptr<Mapping>> map_allocations(Consumer& c, const Descrip
                                                       const std::vector<int>& local,
                                                       const std::vector<std::shared_ptr<Hold>>& holds) {
   std::vector<std::shared_ptr<Mapping>> mapped(d.allocs.size());
+  std::lock_guard<std::recursive_mutex> lock(c.mu);  // once per load, not per allocation
   for (size_t i = 0; i < d.allocs.size(); ++i) {
     const AllocRecord& a = d.allocs[i];
     if (!holds[a.lease]) continue;  // ours: resolved by storage
@@ -364,6 +369,7 @@ std::vector<c10::Storage> build_storages(const Descriptor& d, const std::vector<
                                          const std::vector<std::shared_ptr<Mapping>>& mapped) {
   std::vector<c10::Storage> storages;
   storages.reserve(d.storages.size());
+  size_t own_next = 0;  // where our own export's next storage is likely to be
   for (const StorageRecord& s : d.storages) {
     const c10::Device device = device_of(d, s, local);
     if (s.alloc == kNoAlloc) {
@@ -374,14 +380,13 @@ std::vector<c10::Storage> build_storages(const Descriptor& d, const std::vector<
     const AllocRecord& a = d.allocs[s.alloc];
     if (!holds[a.lease]) {
       auto own = find_exported_storage(d.leases[a.lease], Location{allocation_of(a, local), s.offset},
-                                       s.nbytes);
+                                       s.nbytes, own_next);
       if (!own) throw Released("torch_ipc: this export was already released by this process");
       storages.push_back(*own);
       continue;
     }
     const Mapping& m = *mapped[s.alloc];
-    c10::DataPtr ptr = imported_data_ptr(m.base + s.offset, holds[a.lease], Location{m.where, s.offset},
-                                         device);
+    c10::DataPtr ptr = imported_data_ptr(m.base + s.offset, holds[a.lease], &m.where, s.offset, device);
     storages.emplace_back(c10::Storage::use_byte_size_t(), s.nbytes, std::move(ptr), nullptr, false);
   }
   return storages;
@@ -400,7 +405,9 @@ void build_tensors(const Descriptor& d, const std::vector<c10::Storage>& storage
     auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(storage), keys,
                                                      c10::scalarTypeToTypeMeta(dtype));
     try {
-      impl->set_sizes_and_strides(t.sizes, t.strides);
+      const auto sizes = tensor_sizes(d, t), strides = tensor_strides(d, t);
+      impl->set_sizes_and_strides(c10::IntArrayRef(sizes.data(), sizes.size()),
+                                  c10::IntArrayRef(strides.data(), strides.size()));
       impl->set_storage_offset(t.storage_offset);
     } catch (const c10::Error& e) {
       throw DescriptorError(std::string("malformed torch_ipc descriptor: ") + e.what_without_backtrace());
@@ -482,7 +489,7 @@ Hold::~Hold() {
   }
 }
 
-ImportResult import_tensors(const std::string& data, const std::function<void()>& before_cuda) {
+ImportResult import_tensors(std::string_view data, const std::function<void()>& before_cuda) {
   Consumer& c = consumer();
   Liveness alive;
   Descriptor d = decode_and_check(data, alive, before_cuda);

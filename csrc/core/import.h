@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "wire/descriptor.h"
@@ -46,7 +47,7 @@ struct __attribute__((visibility("hidden"))) ImportResult {
 // Decode `data` (DescriptorError), call `before_cuda` when it holds CUDA
 // tensors (the caller's chance to raise CudaUnavailableError, or to set up
 // CUDA, before anything is opened), then take holds, map and build.
-ImportResult import_tensors(const std::string& data, const std::function<void()>& before_cuda = {});
+ImportResult import_tensors(std::string_view data, const std::function<void()>& before_cuda = {});
 
 // Finish releases whose GPU work is done, close idle mappings (all of them when
 // close_idle), and drop what belongs to producers that exited.

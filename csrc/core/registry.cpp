@@ -10,10 +10,12 @@
 namespace torch_ipc {
 namespace {
 
-// The DataPtr context of every imported storage.
+// The DataPtr context of every imported storage. `alloc` lives in a mapping
+// that `hold` keeps.
 struct ImportedStorage {
   std::shared_ptr<Hold> hold;
-  Location where;
+  const Allocation* alloc;
+  uint64_t offset;
 };
 
 void delete_imported_storage(void* ctx) { delete static_cast<ImportedStorage*>(ctx); }
@@ -32,16 +34,16 @@ Exports& exports() { return *process_state<Exports>(); }
 
 }  // namespace
 
-c10::DataPtr imported_data_ptr(void* data, std::shared_ptr<Hold> hold, const Location& where,
-                               c10::Device device) {
-  auto* ctx = new ImportedStorage{std::move(hold), where};
+c10::DataPtr imported_data_ptr(void* data, std::shared_ptr<Hold> hold, const Allocation* alloc,
+                               uint64_t offset, c10::Device device) {
+  auto* ctx = new ImportedStorage{std::move(hold), alloc, offset};
   return c10::DataPtr(data, ctx, &delete_imported_storage, device);
 }
 
 std::optional<ImportedOrigin> imported_origin(const c10::Storage& storage) {
   if (storage.data_ptr().get_deleter() != &delete_imported_storage) return std::nullopt;
   const auto* ctx = static_cast<const ImportedStorage*>(storage.data_ptr().get_context());
-  return ImportedOrigin{ctx->where, ctx->hold->lease};
+  return ImportedOrigin{Location{*ctx->alloc, ctx->offset}, ctx->hold->lease};
 }
 
 void exports_forget_after_fork() { forget_after_fork<Exports>(); }
@@ -68,17 +70,22 @@ void end_open_ended(const LeaseRecord& lease) {
 }
 
 std::optional<c10::Storage> find_exported_storage(const LeaseRecord& lease, const Location& where,
-                                                  uint64_t nbytes) {
+                                                  uint64_t nbytes, size_t& next) {
   Exports& e = exports();
   std::lock_guard<std::mutex> lock(e.mu);
   auto it = e.records.find(key_of(lease));
   if (it == e.records.end()) return std::nullopt;
   const ExportRecord& r = *it->second;
-  for (size_t i = 0; i < r.storages.size(); ++i) {
+  auto matches = [&](size_t i) {
     const Location& loc = r.locations[i];
-    if (loc.alloc.kind == where.alloc.kind && loc.alloc.handle == where.alloc.handle &&
-        loc.offset == where.offset && r.storages[i].nbytes() == nbytes)
-      return r.storages[i];
+    return loc.alloc.kind == where.alloc.kind && loc.alloc.handle == where.alloc.handle &&
+           loc.offset == where.offset && r.storages[i].nbytes() == nbytes;
+  };
+  for (size_t k = 0; k < r.storages.size(); ++k) {
+    const size_t i = (next + k) % r.storages.size();
+    if (!matches(i)) continue;
+    next = i + 1;
+    return r.storages[i];
   }
   return std::nullopt;
 }

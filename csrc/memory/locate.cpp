@@ -46,12 +46,16 @@ struct Locations {
 
 Locations& locations() { return *process_state<Locations>(); }
 
+// Note [a cached storage is the one asked about]
+// The cache's weak pointer keeps the memory of its StorageImpl allocated (c10
+// frees it with the last weak reference), so no other StorageImpl can be made
+// at that address while the entry exists: an entry found under the address of
+// a storage the caller holds is that storage's, and alive. No lock() per
+// storage, then; only its memory may have been swapped since (share_memory_()
+// does so in place), which the data pointer shows.
 const Location* cached(Locations& l, const c10::Storage& storage) {
-  const c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
-  auto it = l.storages.find(impl);
-  if (it == l.storages.end()) return nullptr;
-  auto alive = it->second.weak.lock();
-  if (alive.get() != impl || it->second.data != storage.data()) return nullptr;
+  auto it = l.storages.find(storage.unsafeGetStorageImpl());
+  if (it == l.storages.end() || it->second.data != storage.data()) return nullptr;
   return &it->second.where;
 }
 
@@ -128,18 +132,19 @@ void locate_new_cuda(Locations& l, const std::vector<c10::Storage>& storages) {
 void locations_forget_after_fork() { forget_after_fork<Locations>(); }
 const AfterForkInChild reset_locations_after_fork(&locations_forget_after_fork);
 
-std::vector<Location> locate_own(const std::vector<c10::Storage>& storages) {
+std::vector<Location> locate_own(const StorageRefs& storages) {
   Locations& l = locations();
   std::lock_guard<std::mutex> lock(l.mu);
   std::vector<Location> out(storages.size());
   std::vector<size_t> new_cuda;  // indices into storages
   for (size_t i = 0; i < storages.size(); ++i) {
-    if (const Location* known = cached(l, storages[i]))
+    const c10::Storage& storage = storages[i];
+    if (const Location* known = cached(l, storage))
       out[i] = *known;
-    else if (storages[i].device_type() == c10::DeviceType::CUDA)
+    else if (storage.device_type() == c10::DeviceType::CUDA)
       new_cuda.push_back(i);  // the caller passes each storage once
     else
-      remember(l, storages[i], out[i] = locate_host(storages[i]));
+      remember(l, storage, out[i] = locate_host(storage));
   }
   if (new_cuda.empty()) return out;
   std::vector<c10::Storage> batch;

@@ -4,6 +4,7 @@
 
 #include <c10/core/Storage.h>
 
+#include <functional>
 #include <vector>
 
 #include "memory/location.h"
@@ -14,7 +15,10 @@ namespace torch_ipc {
 // CUDA storages the cache does not know are located together, VMM ones per
 // device (Note [VMM runs per message]); CPU storages are moved into shared
 // memory on first use (as share_memory_() does).
-std::vector<Location> locate_own(const std::vector<c10::Storage>& storages);
+// By reference: copying a c10::Storage costs a reference count (and a trip
+// into Python for one that has a Python object).
+using StorageRefs = std::vector<std::reference_wrapper<const c10::Storage>>;
+std::vector<Location> locate_own(const StorageRefs& storages);
 
 // Forget the cached locations of storages that died.
 void forget_dead_locations();

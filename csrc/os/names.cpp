@@ -28,7 +28,7 @@ std::string prefix(const ProcessId& owner) {
 // A strict reader of the names above: decimal and lowercase hex fields of
 // exact shapes, nothing left over.
 struct NameReader {
-  const std::string& s;
+  std::string_view s;
   size_t at = 0;
   bool ok = true;
 
@@ -98,7 +98,7 @@ std::string fd_socket_name(const ProcessId& owner, uint32_t tag) {
   return prefix(owner) + hex(tag, 8) + ".fd";
 }
 
-std::optional<SharedFileName> parse_shared_file_name(const std::string& name) {
+std::optional<SharedFileName> parse_shared_file_name(std::string_view name) {
   NameReader r{name};
   SharedFileName out;
   r.literal("torch_ipc.");

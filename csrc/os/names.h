@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/ids.h"
@@ -48,7 +49,7 @@ struct SharedFileName {
   uint32_t anchor = 0;  // the lease segment that proves its owner alive
 };
 // The parts of `name`, or nothing when torch_ipc would not make that name.
-std::optional<SharedFileName> parse_shared_file_name(const std::string& name);
+std::optional<SharedFileName> parse_shared_file_name(std::string_view name);
 
 // Create something under a fresh random name: try_create(random) returns what
 // it made, or an empty value when the name exists (EEXIST, EADDRINUSE); then

@@ -35,8 +35,9 @@ py::dict describe(const py::bytes& data) {
     r["dtype"] = t.dtype;
     r["flags"] = t.flags;
     r["storage_offset"] = t.storage_offset;
-    r["sizes"] = t.sizes;
-    r["strides"] = t.strides;
+    const auto sizes = tensor_sizes(d, t), strides = tensor_strides(d, t);
+    r["sizes"] = std::vector<int64_t>(sizes.begin(), sizes.end());
+    r["strides"] = std::vector<int64_t>(strides.begin(), strides.end());
     tensors.append(r);
   }
   out["tensors"] = tensors;
@@ -52,6 +53,40 @@ py::dict describe(const py::bytes& data) {
   out["allocs"] = allocs;
   out["payload"] = py::bytes(d.payload);
   return out;
+}
+
+// Note [a load's Python objects]
+// A load of many tensors crosses into Python once: the tensors are moved into
+// their Python objects in one list (no reference count taken and dropped per
+// tensor), and is_parameter is None when no tensor is a Parameter, so that
+// _serialize._rebuild loops over nothing.
+py::list tensor_list(std::vector<at::Tensor>&& tensors) {
+  py::list out(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    PyObject* wrapped = THPVariable_Wrap(std::move(tensors[i]));
+    if (wrapped == nullptr) throw py::error_already_set();
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), wrapped);
+  }
+  return out;
+}
+
+// The tensors of a list, by reference (Note [PyObject preservation for Tensor
+// and Storages] in c10: a copy would take a reference to each one's Python object).
+TensorRefs tensor_refs(const py::list& tensors) {
+  TensorRefs out;
+  out.reserve(tensors.size());
+  for (py::handle t : tensors) {
+    if (!THPVariable_Check(t.ptr()))
+      throw py::type_error(std::string("torch_ipc exports a list of tensors, not one holding ") +
+                           Py_TYPE(t.ptr())->tp_name);
+    out.push_back(std::cref(THPVariable_Unpack(t.ptr())));
+  }
+  return out;
+}
+
+py::object parameter_flags(const std::vector<bool>& is_parameter) {
+  if (std::none_of(is_parameter.begin(), is_parameter.end(), [](bool p) { return p; })) return py::none();
+  return py::cast(is_parameter);
 }
 
 py::dict stats() {
@@ -95,14 +130,22 @@ void bind_core(py::module_& m) {
       .def("revoke", &Export::revoke)
       .def("forbid_loads", &Export::forbid_loads,
            "revoke(), and refuse every load from now on (torch_ipc.Export.revoke)");
-  m.def("export_tensors", &export_tensors, py::arg("tensors"), py::arg("is_parameter"),
+  m.def(
+      "export_tensors",
+      [](const py::list& tensors, const std::vector<bool>& is_parameter, const std::string& payload,
+         uint32_t consumers, bool while_referenced) {
+        return export_tensors(tensor_refs(tensors), is_parameter, payload, consumers, while_referenced);
+      },
+      py::arg("tensors"), py::arg("is_parameter"),
         py::arg("payload"), py::arg("consumers") = 1, py::arg("while_referenced") = false);
   // Note [one shareability rule] in core/export.cpp: one tensor, or all of a list.
   m.def("shared_natively", &shared_natively, py::arg("tensor"));
   m.def(
       "all_shared_natively",
-      [](const std::vector<at::Tensor>& tensors) {
-        return std::all_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return shared_natively(t); });
+      [](const py::list& tensors) {  // read in place: no tensor copied into a vector
+        return std::all_of(tensors.begin(), tensors.end(), [](py::handle t) {
+          return THPVariable_Check(t.ptr()) && shared_natively(THPVariable_Unpack(t.ptr()));
+        });
       },
       py::arg("tensors"));
   py::class_<PendingLoad, std::shared_ptr<PendingLoad>>(
@@ -118,7 +161,8 @@ void bind_core(py::module_& m) {
   m.def(
       "load",
       [](const py::bytes& data, const py::object& before_cuda) {
-        std::string bytes = data;
+        // Bytes are immutable and `data` holds them: read in place, without the GIL.
+        const std::string_view bytes = data;
         std::function<void()> hook;
         if (!before_cuda.is_none())
           hook = [&before_cuda] {
@@ -130,7 +174,8 @@ void bind_core(py::module_& m) {
           py::gil_scoped_release release;
           r = import_tensors(bytes, hook);
         }
-        return py::make_tuple(r.tensors, r.is_parameter, py::bytes(r.payload), r.pending);
+        return py::make_tuple(tensor_list(std::move(r.tensors)), parameter_flags(r.is_parameter),
+                              py::bytes(r.payload), r.pending);
       },
       py::arg("data"), py::arg("before_cuda") = py::none(),
       "Decode and import a descriptor in one call: DescriptorError for malformed bytes first, then "

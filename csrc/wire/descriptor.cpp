@@ -21,19 +21,32 @@ constexpr size_t kAllocBytes = 80;
 constexpr size_t kStorageBytes = 24;
 constexpr size_t kTensorHeadBytes = 16;
 
+// Writes into a zeroed buffer of the descriptor's exact size (padding is
+// skipped, not written); a write past its end is a bug, refused.
 class Writer {
  public:
-  explicit Writer(size_t reserve) { out_.reserve(reserve); }
+  explicit Writer(size_t size) : out_(size, '\0') {}
   template <typename T>
   void put(T value) {
-    out_.append(reinterpret_cast<const char*>(&value), sizeof(T));
+    bytes(&value, sizeof(T));
   }
-  void bytes(const void* p, size_t n) { out_.append(static_cast<const char*>(p), n); }
-  void zeros(size_t n) { out_.append(n, '\0'); }
+  void bytes(const void* p, size_t n) {
+    room(n);
+    if (n) std::memcpy(out_.data() + pos_, p, n);
+    pos_ += n;
+  }
+  void zeros(size_t n) {
+    room(n);
+    pos_ += n;
+  }
   std::string& str() { return out_; }
 
  private:
+  void room(size_t n) {
+    if (n > out_.size() - pos_) throw InvalidUse("torch_ipc: descriptor encoding overran its size (a bug)");
+  }
   std::string out_;
+  size_t pos_ = 0;
 };
 
 class Reader {
@@ -137,14 +150,15 @@ size_t dtype_itemsize(uint8_t code) {
 // it), and the last byte the view can touch, (offset + sum((size-1)*stride)
 // + 1) * itemsize, must lie inside the storage. An empty view touches no
 // memory, but its storage offset must still lie inside the storage.
-void check_tensor(const TensorRecord& t, uint64_t storage_bytes) {
+void check_tensor(const TensorRecord& t, std::span<const int64_t> sizes, std::span<const int64_t> strides,
+                  uint64_t storage_bytes) {
   const size_t itemsize = dtype_itemsize(t.dtype);
   if (itemsize == 0) bad("unknown or unsupported dtype code " + std::to_string(t.dtype));
   if ((t.flags & kRequiresGrad) && !c10::isFloatingType(static_cast<c10::ScalarType>(t.dtype)) &&
       !c10::isComplexType(static_cast<c10::ScalarType>(t.dtype)))
     bad("requires_grad on a tensor that is neither floating point nor complex");
   int64_t numel = 1;
-  for (int64_t size : t.sizes)
+  for (int64_t size : sizes)
     if (__builtin_mul_overflow(numel, size, &numel)) bad("a tensor's element count overflows");
   uint64_t end;  // one past the last byte the view can touch
   if (numel == 0) {
@@ -152,10 +166,10 @@ void check_tensor(const TensorRecord& t, uint64_t storage_bytes) {
       bad("a tensor's storage offset overflows");
   } else {
     uint64_t last = static_cast<uint64_t>(t.storage_offset);  // element index
-    for (size_t i = 0; i < t.sizes.size(); ++i) {
+    for (size_t i = 0; i < sizes.size(); ++i) {
       uint64_t reach;
-      if (__builtin_mul_overflow(static_cast<uint64_t>(t.sizes[i] - 1),
-                                 static_cast<uint64_t>(t.strides[i]), &reach) ||
+      if (__builtin_mul_overflow(static_cast<uint64_t>(sizes[i] - 1), static_cast<uint64_t>(strides[i]),
+                                 &reach) ||
           __builtin_add_overflow(last, reach, &last))
         bad("a tensor view's extent overflows");
     }
@@ -276,25 +290,27 @@ StorageRecord read_storage(Reader& r, const Counts& n, const std::vector<AllocRe
   return s;
 }
 
-TensorRecord read_tensor(Reader& r, const Counts& n, const std::vector<StorageRecord>& storages) {
+// Its sizes and strides go to the end of `dims` (Note [shapes in one table]).
+TensorRecord read_tensor(Reader& r, const Counts& n, const std::vector<StorageRecord>& storages,
+                         std::vector<int64_t>& dims) {
   TensorRecord t;
   t.storage = r.get<uint32_t>("tensor storage");
   check_index(t.storage, n.storages, "tensor storage");
   t.dtype = r.get<uint8_t>("tensor dtype");
-  uint8_t ndim = r.get<uint8_t>("tensor ndim");
+  const uint8_t ndim = t.ndim = r.get<uint8_t>("tensor ndim");
   if (ndim > kMaxDims) bad("tensor has " + std::to_string(ndim) + " dimensions");
   t.flags = r.get<uint16_t>("tensor flags");
   if (t.flags & ~(kRequiresGrad | kParameter)) bad("unknown tensor flags");
   t.storage_offset = r.get<int64_t>("tensor storage offset");
   if (t.storage_offset < 0) bad("negative storage offset");
   if (16ull * ndim > r.left() - n.payload) bad("tensor shape runs past the tables");
-  t.sizes.resize(ndim);
-  t.strides.resize(ndim);
-  r.bytes(t.sizes.data(), 8 * ndim, "tensor sizes");
-  r.bytes(t.strides.data(), 8 * ndim, "tensor strides");
+  t.dims = dims.size();
+  dims.resize(t.dims + 2 * ndim);
+  r.bytes(dims.data() + t.dims, 16 * ndim, "tensor sizes and strides");
+  const std::span<const int64_t> sizes(dims.data() + t.dims, ndim), strides(dims.data() + t.dims + ndim, ndim);
   for (int i = 0; i < ndim; ++i)
-    if (t.sizes[i] < 0 || t.strides[i] < 0) bad("negative size or stride");
-  check_tensor(t, storages[t.storage].nbytes);
+    if (sizes[i] < 0 || strides[i] < 0) bad("negative size or stride");
+  check_tensor(t, sizes, strides, storages[t.storage].nbytes);
   return t;
 }
 
@@ -302,7 +318,7 @@ TensorRecord read_tensor(Reader& r, const Counts& n, const std::vector<StorageRe
 
 std::string encode(const Descriptor& d) {
   size_t tensor_bytes = 0;
-  for (const auto& t : d.tensors) tensor_bytes += kTensorHeadBytes + 16 * t.sizes.size();
+  for (const auto& t : d.tensors) tensor_bytes += kTensorHeadBytes + 16 * t.ndim;
   size_t total = kHeaderBytes + 16 * d.devices.size() + kEventBytes * d.events.size() +
                  kLeaseBytes * d.leases.size() + kAllocBytes * d.allocs.size() +
                  kStorageBytes * d.storages.size() + tensor_bytes + d.payload.size();
@@ -361,11 +377,10 @@ std::string encode(const Descriptor& d) {
   for (const auto& t : d.tensors) {
     w.put<uint32_t>(t.storage);
     w.put<uint8_t>(t.dtype);
-    w.put<uint8_t>(static_cast<uint8_t>(t.sizes.size()));
+    w.put<uint8_t>(t.ndim);
     w.put<uint16_t>(t.flags);
     w.put<int64_t>(t.storage_offset);
-    w.bytes(t.sizes.data(), 8 * t.sizes.size());
-    w.bytes(t.strides.data(), 8 * t.strides.size());
+    w.bytes(d.dims.data() + t.dims, 16 * t.ndim);  // sizes, then strides (Note [shapes in one table])
   }
   w.bytes(d.payload.data(), d.payload.size());
   std::string& out = w.str();
@@ -390,7 +405,9 @@ Descriptor decode(const void* data, size_t size) {
   d.storages.resize(n.storages);
   for (auto& s : d.storages) s = read_storage(r, n, d.allocs);
   d.tensors.resize(n.tensors);
-  for (auto& t : d.tensors) t = read_tensor(r, n, d.storages);
+  // What is left before the payload bounds the shapes (each dim 8 bytes twice).
+  d.dims.reserve((r.left() - n.payload - uint64_t(kTensorHeadBytes) * n.tensors) / 8);
+  for (auto& t : d.tensors) t = read_tensor(r, n, d.storages, d.dims);
   if (r.left() != n.payload) bad("bytes left after the tables do not match the payload length");
   d.payload.resize(n.payload);
   r.bytes(d.payload.data(), n.payload, "payload");

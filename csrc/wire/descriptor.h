@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -75,13 +76,18 @@ struct StorageRecord {
   uint64_t nbytes = 0;
 };
 
+// Note [shapes in one table]
+// A tensor's sizes and strides live in the descriptor's `dims`, not in the
+// record: at `dims` its ndim sizes, then its ndim strides, as on the wire. A
+// message of a thousand small tensors then costs no allocation per tensor to
+// build, encode, decode or free (tensor_sizes/tensor_strides read them).
 struct TensorRecord {
   uint32_t storage = 0;
   uint8_t dtype = 0;  // c10::ScalarType, checked by decode() (Note [view bounds])
+  uint8_t ndim = 0;
   uint16_t flags = 0;
   int64_t storage_offset = 0;  // elements
-  std::vector<int64_t> sizes;
-  std::vector<int64_t> strides;
+  size_t dims = 0;             // index into Descriptor::dims
 };
 
 struct Descriptor {
@@ -94,8 +100,17 @@ struct Descriptor {
   std::vector<AllocRecord> allocs;
   std::vector<StorageRecord> storages;
   std::vector<TensorRecord> tensors;
+  std::vector<int64_t> dims;  // Note [shapes in one table]
   std::string payload;
 };
+
+// Tensor `t` of `d`'s sizes and strides.
+inline std::span<const int64_t> tensor_sizes(const Descriptor& d, const TensorRecord& t) {
+  return {d.dims.data() + t.dims, t.ndim};
+}
+inline std::span<const int64_t> tensor_strides(const Descriptor& d, const TensorRecord& t) {
+  return {d.dims.data() + t.dims + t.ndim, t.ndim};
+}
 
 // Where storage `s` lives: CPU (kNone16) or an index into devices.
 uint16_t storage_device(const Descriptor& d, const StorageRecord& s);
