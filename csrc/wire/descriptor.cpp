@@ -21,32 +21,19 @@ constexpr size_t kAllocBytes = 80;
 constexpr size_t kStorageBytes = 24;
 constexpr size_t kTensorHeadBytes = 16;
 
-// Writes into a zeroed buffer of the descriptor's exact size (padding is
-// skipped, not written); a write past its end is a bug, refused.
 class Writer {
  public:
-  explicit Writer(size_t size) : out_(size, '\0') {}
+  explicit Writer(size_t reserve) { out_.reserve(reserve); }
   template <typename T>
   void put(T value) {
-    bytes(&value, sizeof(T));
+    out_.append(reinterpret_cast<const char*>(&value), sizeof(T));
   }
-  void bytes(const void* p, size_t n) {
-    room(n);
-    if (n) std::memcpy(out_.data() + pos_, p, n);
-    pos_ += n;
-  }
-  void zeros(size_t n) {
-    room(n);
-    pos_ += n;
-  }
+  void bytes(const void* p, size_t n) { out_.append(static_cast<const char*>(p), n); }
+  void zeros(size_t n) { out_.append(n, '\0'); }
   std::string& str() { return out_; }
 
  private:
-  void room(size_t n) {
-    if (n > out_.size() - pos_) throw InvalidUse("torch_ipc: descriptor encoding overran its size (a bug)");
-  }
   std::string out_;
-  size_t pos_ = 0;
 };
 
 class Reader {
