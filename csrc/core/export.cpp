@@ -223,7 +223,7 @@ class TableBuilder {
     uint8_t kind = 0;
     Handle64 handle{};
     LeaseKey lease;
-    bool operator==(const AllocKey&) const = default;
+    bool operator==(const AllocKey& o) const { return kind == o.kind && handle == o.handle && lease == o.lease; }
   };
   struct AllocKeyHash {
     size_t operator()(const AllocKey& k) const { return handle_hash(k.handle) ^ k.kind ^ std::get<4>(k.lease); }

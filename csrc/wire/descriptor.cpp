@@ -137,7 +137,7 @@ size_t dtype_itemsize(uint8_t code) {
 // it), and the last byte the view can touch, (offset + sum((size-1)*stride)
 // + 1) * itemsize, must lie inside the storage. An empty view touches no
 // memory, but its storage offset must still lie inside the storage.
-void check_tensor(const TensorRecord& t, std::span<const int64_t> sizes, std::span<const int64_t> strides,
+void check_tensor(const TensorRecord& t, c10::IntArrayRef sizes, c10::IntArrayRef strides,
                   uint64_t storage_bytes) {
   const size_t itemsize = dtype_itemsize(t.dtype);
   if (itemsize == 0) bad("unknown or unsupported dtype code " + std::to_string(t.dtype));
@@ -294,7 +294,7 @@ TensorRecord read_tensor(Reader& r, const Counts& n, const std::vector<StorageRe
   t.dims = dims.size();
   dims.resize(t.dims + 2 * ndim);
   r.bytes(dims.data() + t.dims, 16 * ndim, "tensor sizes and strides");
-  const std::span<const int64_t> sizes(dims.data() + t.dims, ndim), strides(dims.data() + t.dims + ndim, ndim);
+  const c10::IntArrayRef sizes(dims.data() + t.dims, ndim), strides(dims.data() + t.dims + ndim, ndim);
   for (int i = 0; i < ndim; ++i)
     if (sizes[i] < 0 || strides[i] < 0) bad("negative size or stride");
   check_tensor(t, sizes, strides, storages[t.storage].nbytes);

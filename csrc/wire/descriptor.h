@@ -8,7 +8,7 @@
 
 #include <array>
 #include <cstdint>
-#include <span>
+#include <c10/util/ArrayRef.h>
 #include <string>
 #include <vector>
 
@@ -105,10 +105,10 @@ struct Descriptor {
 };
 
 // Tensor `t` of `d`'s sizes and strides.
-inline std::span<const int64_t> tensor_sizes(const Descriptor& d, const TensorRecord& t) {
+inline c10::IntArrayRef tensor_sizes(const Descriptor& d, const TensorRecord& t) {
   return {d.dims.data() + t.dims, t.ndim};
 }
-inline std::span<const int64_t> tensor_strides(const Descriptor& d, const TensorRecord& t) {
+inline c10::IntArrayRef tensor_strides(const Descriptor& d, const TensorRecord& t) {
   return {d.dims.data() + t.dims + t.ndim, t.ndim};
 }
 
