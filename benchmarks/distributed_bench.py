@@ -184,7 +184,7 @@ def trainer(cfg, sub_conn, out):
     pub.broadcast_to(bucket_bytes=cfg["bucket_bytes"])  # sends the layout and the current version
     raw = _broadcast_rounds(cfg, dist, 0, device, size, out,
                             {"publish": pub.publish, "broadcast": lambda: pub._broadcast(pub.version)})
-    sub_conn.send(("follow",))
+    sub_conn.send(("follow", pub.version))  # not the subscriber's latest: the relay may be one ahead by then
     latency = []
     for _ in rounds(cfg, dist, 0, "latency"):
         dist.barrier()
@@ -263,8 +263,8 @@ def subscriber(cfg, attach_conn, trainer_conn):
     model = {k: torch.empty_like(v) for k, v in _state_dict(cfg, device).items()}
     while True:
         command, *args = trainer_conn.recv()
-        if command == "follow":  # pull each new version until the next command
-            version = sub.latest
+        if command == "follow":  # pull each version after args[0] until the next command
+            (version,) = args
             while not trainer_conn.poll(0):
                 try:
                     version = sub.pull(model, newer_than=version, timeout=0.05)
