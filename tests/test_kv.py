@@ -537,6 +537,8 @@ def test_a_cuda_free_waits_for_the_reads_queued_before_it(device):
     only once it has finished; freeing them again meanwhile is refused."""
     with SharedKVPool(8, SHAPE, torch.int32, device) as pool:
         ids = pool.allocate(4)
+        pool.gather(ids)  # the first one may make pinned memory, which waits for the device (Note [kv copies])
+        torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)  # the reads below wait behind ~0.1 s
         pool.gather(ids)
         pool.free(ids)

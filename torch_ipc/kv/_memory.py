@@ -19,6 +19,11 @@ The kernel trusts the table's addresses, so:
 - the table reaches the device without the host waiting: it is built in
   pinned memory and copied with non_blocking (the caching host allocator keeps
   the pinned buffer until that copy has run), as the fallback's index is.
+  Except once: when the caching host allocator has no free pinned block of
+  the table's size yet, it makes one (cudaHostAlloc), and that waits for the
+  device. A GPU run showed it: a free after the first gather of a process,
+  behind 0.1 s of queued work, found that work done. Later gathers of that
+  size reuse the block and do not wait.
 - every tensor whose address is in the table lives as long as it would for
   an index_select queued on the current stream, which is all the kernel is
   to the allocators: the device table, and a ``src`` that scatter() moved to
