@@ -484,16 +484,19 @@ def channel_consumer(conn, side, cfg):
     serve(conn, Raw, cfg["timeout"])
 
 
+def small_tensors(numel: int, device: str, same: bool):
+    """next_obj of a float32 tensor of `numel`: the same one each time, or a new one."""
+    if same:
+        return always(torch.empty(numel, dtype=torch.float32, device=device))
+    # no kernel: the producer does nothing on the GPU but share
+    return lambda: torch.empty(numel, dtype=torch.float32, device=device)
+
+
 def small_producer(same: bool, reading: bool):
     def producer(conn, side, cfg):
         p = plan(cfg)["small" if same else "small_new"]
-        x = torch.empty(p["numel"], dtype=torch.float32, device=cfg["device"])
-
-        def fresh():  # no kernel: the producer does nothing on the GPU but share
-            return torch.empty(p["numel"], dtype=torch.float32, device=cfg["device"])
-
-        t = round_trips(conn, side, always(x) if same else fresh, warmup=p["warmup"], iters=p["iters"],
-                        timeout=cfg["timeout"])
+        t = round_trips(conn, side, small_tensors(p["numel"], cfg["device"], same), warmup=p["warmup"],
+                        iters=p["iters"], timeout=cfg["timeout"])
         what = f"{fmt_bytes(4 * p['numel'])} tensor, {'same' if same else 'new'} each time"
         if not reading:
             return [metric("rtt", f"{what}, consumer touches nothing", t)]
@@ -509,12 +512,7 @@ def stream_producer(same: bool):
         """Send warm-up + iters tensors without waiting; the consumer acks the
         warm-up and then the whole stream: tensors/s of the timed part."""
         p = plan(cfg)["stream"]
-        x = torch.ones(p["numel"], dtype=torch.float32, device=cfg["device"])
-
-        def fresh():  # no kernel: the producer does nothing on the GPU but share
-            return torch.empty(p["numel"], dtype=torch.float32, device=cfg["device"])
-
-        next_obj = always(x) if same else fresh
+        next_obj = small_tensors(p["numel"], cfg["device"], same)
         for _ in range(p["warmup"]):
             conn.send_bytes(side.dumps(next_obj()))
         if recv(conn, cfg["timeout"]) != ACK:

@@ -448,12 +448,6 @@ Mapping::~Mapping() {
 // (cuStreamQuery, host side only: a consumer that synchronized, or read with
 // .item()) needs no event: that release is finished at once, which saves the
 // record and the later query (~3 us a message on the H100 machine).
-static bool stream_idle(CUstream stream) {
-  CUresult r = driver().cuStreamQuery(stream);
-  if (r == CUDA_SUCCESS) return true;
-  if (r != CUDA_ERROR_NOT_READY) throw_driver_error("cuStreamQuery", r);
-  return false;
-}
 
 Hold::~Hold() {
   if (made.inherited()) {  // the hold is the parent's to release

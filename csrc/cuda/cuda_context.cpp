@@ -104,4 +104,11 @@ CUstream current_stream(int device) {
   return static_cast<CUstream>(s.native_handle());
 }
 
+bool stream_idle(CUstream stream) {
+  CUresult r = driver().cuStreamQuery(stream);
+  if (r == CUDA_SUCCESS) return true;
+  if (r != CUDA_ERROR_NOT_READY) throw_driver_error("cuStreamQuery", r);
+  return false;
+}
+
 }  // namespace torch_ipc

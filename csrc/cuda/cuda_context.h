@@ -31,4 +31,8 @@ class ScopedContext {
 // torch's current stream on `device` for this thread.
 CUstream current_stream(int device);
 
+// Whether every command queued on `stream` has finished (cuStreamQuery: host
+// side only, never waits); a driver error other than "not ready" throws.
+bool stream_idle(CUstream stream);
+
 }  // namespace torch_ipc

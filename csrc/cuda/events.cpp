@@ -86,9 +86,7 @@ std::optional<Handle64> record_export_event(int device) {
   Events& e = events();
   ScopedContext scope(device);
   CUstream stream = current_stream(device);
-  CUresult idle = driver().cuStreamQuery(stream);
-  if (idle == CUDA_SUCCESS) return std::nullopt;  // every write of this stream landed
-  if (idle != CUDA_ERROR_NOT_READY) throw_driver_error("cuStreamQuery", idle);
+  if (stream_idle(stream)) return std::nullopt;  // every write of this stream landed
   std::lock_guard<std::mutex> lock(e.mu);
   PooledEvent& slot = next_pooled_event(e, device, stream);
   TORCH_IPC_CU(cuEventRecord, slot.event, stream);

@@ -19,7 +19,7 @@ void bind_batched_copy(py::module_& m) {
   m.def("fill_block_items", [](at::Tensor& table, py::buffer ids, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& spans,
                                int64_t block_bytes, int64_t rows, bool into_rows, int64_t item_bytes) {
     py::buffer_info b = ids.request();
-    TORCH_IPC_CHECK_VALUE(b.itemsize == 8 && b.ndim == 1 && (b.ndim == 0 || b.strides[0] == 8),
+    TORCH_IPC_CHECK_VALUE(b.itemsize == 8 && b.ndim == 1 && b.strides[0] == 8,
                           "torch_ipc: block ids must be a contiguous buffer of int64");
     const size_t n = static_cast<size_t>(b.shape[0]);
     const int64_t per_block = item_bytes > 0 ? (block_bytes + item_bytes - 1) / item_bytes : 0;

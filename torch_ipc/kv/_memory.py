@@ -163,7 +163,7 @@ class _Memory:
         """The CPU table that copies the blocks `packed` (not empty) into the rows of contiguous
         `rows` (gather), or the rows into the blocks (scatter); the ids are checked first, here
         and again where the table is filled (Note [block items])."""
-        self._check_range(min(packed), max(packed))
+        self._check_ids(packed)
         size = _batched_copy.item_size(self.block_bytes, len(packed), min_items)
         per_block = -(-self.block_bytes // size)
         table = torch.empty((len(packed) * per_block, 4), dtype=torch.int64, pin_memory=pin)
