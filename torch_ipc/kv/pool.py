@@ -125,6 +125,7 @@ class SharedKVPool:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The blocks' dtype."""
         return self._state.dtype
 
     @property
