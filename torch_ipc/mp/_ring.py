@@ -236,14 +236,18 @@ def Pipe(duplex: bool = True, *, ring_bytes: int = RING_BYTES) -> Tuple[RingConn
         {'x': 1}
     """
     memory, bell0, bell1 = _C.channel_segment(ring_bytes)
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    end0 = None
     try:
-        end0 = _channel(memory, a.fileno(), (bell0, bell1), 0, ring_bytes)
-        end1 = _channel(memory, b.fileno(), (bell0, bell1), 1, ring_bytes)
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with a, b:
+            end0 = _channel(memory, a.fileno(), (bell0, bell1), 0, ring_bytes)
+            end1 = _channel(memory, b.fileno(), (bell0, bell1), 1, ring_bytes)
+    except BaseException:
+        if end0 is not None:
+            end0.close()
+        raise
     finally:
-        a.close()
-        b.close()
-        _close_fds((memory, bell0, bell1))
+        _close_fds((memory, bell0, bell1))  # each end holds duplicates
     if duplex:
         return RingConnection(end0), RingConnection(end1)
     return RingConnection(end1, writable=False), RingConnection(end0, readable=False)
