@@ -14,8 +14,13 @@ ring streams through it in pieces (the writer waits for room while the reader
 takes what is there): no second path, no size limit, order kept.
 
 Threads: one sender and one receiver at a time per end; others wait on a
-lock. An end may be used from one process at a time (a forked child that
-inherited it, or the parent, not both at once), as with a pipe.
+lock. Processes: each direction of an end is used by one process at a time
+(a forked child that inherited it, or the parent, not both at once); another
+process that tries while the first lives gets OSError(EBUSY) instead of
+garbled messages (Note [one process per end] in csrc/os/channel.cpp).
+Every wait ends on Ctrl-C with the signal handler's exception (Note
+[interruptible waits] in csrc/os/ring.cpp); one that ends in the middle of a
+message closes the end, whose stream cannot go on.
 
 The segment is a memfd, 0600, size-sealed, never named (Note [channel
 segment trust] in csrc/os/ring_segment.cpp): a Connection's client makes it
