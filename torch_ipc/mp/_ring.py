@@ -42,7 +42,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional, Tuple
 
 from .. import _C
-from . import _channels
+from . import _channels, _reductions
 
 __all__ = ["Pipe", "RingConnection", "RING_BYTES"]
 
@@ -134,7 +134,7 @@ class RingConnection:
         """Pickle ``obj`` (ForkingPickler: tensors through torch_ipc when its
         reductions are on) and send it."""
         self._check(self._writable, "write-only")
-        data = ForkingPickler.dumps(obj)
+        data = _dumps(obj)
         _channels.sending(self, data, self._send_locked)  # Note [unread messages] in _channels.py
 
     def recv(self) -> Any:
@@ -182,6 +182,13 @@ class RingConnection:
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._channel.after_fork()
+
+
+def _dumps(obj: Any) -> Any:
+    """``ForkingPickler.dumps(obj)``, without its cost for a message that needs
+    none of its reducers (Note [objects without a reducer] in _reductions.py)."""
+    plain = _reductions.plain_dumps(obj)
+    return plain if plain is not None else ForkingPickler.dumps(obj)
 
 
 def _slice(buf: Any, offset: int, size: Optional[int]) -> memoryview:
