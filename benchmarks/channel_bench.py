@@ -14,7 +14,9 @@ The second table sends objects (send/recv, pickled) instead: 64 B of bytes,
 a small dict, a 4 KiB CPU tensor and a 4 KiB CUDA tensor (skipped without
 CUDA), each echoed by a spawned child, on the same three channels; the floor
 is that channel's bytes round trip plus pickling and unpickling the object
-twice (measured here). Tensors go through torch_ipc's reductions on its own
+twice (measured here: ForkingPickler for the multiprocessing Pipe, what
+torch_ipc.Pipe's send() uses for torch_ipc's channels; a Connection's own
+serialization also makes a descriptor). Tensors go through torch_ipc's reductions on its own
 channels and through torch's on the multiprocessing Pipe.
 
 Usage:
@@ -31,6 +33,7 @@ floor, <= 0.5x a multiprocessing Pipe's send()/recv().
 import argparse
 import multiprocessing as mp
 import os
+import pickle
 import statistics
 import sys
 import time
@@ -44,12 +47,13 @@ AUTHKEY = b"channel-bench"
 MESSAGE = b"x" * 64
 
 
-def _echo(end, spin_us):
+def _echo(end, spin_us, objects=False):
     if spin_us is not None:
         _ring.set_spin_us(spin_us)
+    send, recv = (end.send, end.recv) if objects else (end.send_bytes, end.recv_bytes)
     try:
         while True:
-            end.send_bytes(end.recv_bytes())
+            send(recv())
     except (EOFError, OSError):
         pass
 
@@ -59,11 +63,11 @@ def _echo_connection(address, spin_us):
         _echo(conn, spin_us)
 
 
-def _batch(end, n):
-    send, recv = end.send_bytes, end.recv_bytes
+def _batch(end, n, obj=MESSAGE, objects=False):
+    send, recv = (end.send, end.recv) if objects else (end.send_bytes, end.recv_bytes)
     start = time.perf_counter_ns()
     for _ in range(n):
-        send(MESSAGE)
+        send(obj)
         recv()
     return (time.perf_counter_ns() - start) / n / 1000.0
 
@@ -133,25 +137,12 @@ def _message(kind):
 def _echo_objects(end, reductions):
     if reductions:
         torch_ipc.init_reductions()
-    try:
-        while True:
-            end.send(end.recv())
-    except (EOFError, OSError):
-        pass
+    _echo(end, None, objects=True)
 
 
 def _echo_objects_connection(address, reductions):
     with torch_ipc.connect(address, authkey=AUTHKEY) as conn:
         _echo_objects(conn, reductions)
-
-
-def _object_batch(end, obj, n):
-    send, recv = end.send, end.recv
-    start = time.perf_counter_ns()
-    for _ in range(n):
-        send(obj)
-        recv()
-    return (time.perf_counter_ns() - start) / n / 1000.0
 
 
 class ObjectChannel:
@@ -176,7 +167,7 @@ class ObjectChannel:
 
     def run(self, message, obj, n):
         with torch_ipc.reductions() if self.reductions else _nothing():
-            self.times.setdefault(message, []).append(_object_batch(self.end, obj, n))
+            self.times.setdefault(message, []).append(_batch(self.end, n, obj, objects=True))
 
     def close(self):
         self.end.close()
@@ -193,13 +184,11 @@ class _nothing:
         return False
 
 
-def pickling_us(obj, reps=2000):
-    """Pickling and unpickling `obj` twice (a round trip's), as multiprocessing does."""
-    from multiprocessing.reduction import ForkingPickler
-
+def pickling_us(obj, dumps, reps=2000):
+    """Pickling (with `dumps`) and unpickling `obj` twice: a round trip's."""
     start = time.perf_counter_ns()
     for _ in range(reps):
-        ForkingPickler.loads(_ring._dumps(obj))
+        pickle.loads(dumps(obj))
     return 2 * (time.perf_counter_ns() - start) / reps / 1000.0
 
 
@@ -213,7 +202,11 @@ def measure_objects(channels, messages, batches, n):
         for _ in range(batches):
             for c in channels:
                 c.run(m, objs[m], per)
-    return {m: pickling_us(objs[m]) for m in messages if "tensor" not in m}
+    from multiprocessing.reduction import ForkingPickler
+
+    ours = getattr(_ring, "_dumps", ForkingPickler.dumps)  # what torch_ipc.Pipe's send() pickles with
+    return {(m, c.name): pickling_us(objs[m], ForkingPickler.dumps if c.kind == "mp" else ours)
+            for m in messages if "tensor" not in m for c in channels}
 
 
 def object_table(channels, messages, bytes_floor, pickling):
@@ -224,7 +217,7 @@ def object_table(channels, messages, bytes_floor, pickling):
         bmin, bmed = min(base.times[m]), statistics.median(base.times[m])
         for c in channels:
             lo, med = min(c.times[m]), statistics.median(c.times[m])
-            floor = bytes_floor.get(c.name, 0.0) + pickling[m] if m in pickling and c.name in bytes_floor else None
+            floor = bytes_floor[c.name] + pickling[m, c.name] if (m, c.name) in pickling else None
             f = f"{floor:.1f} | {med / floor:.2f}x" if floor else "- | -"
             lines.append(f"| {m} | {c.name} | {lo:.1f} | {med:.1f} | {f} | {lo / bmin:.2f}x | {med / bmed:.2f}x |")
     return "\n".join(lines)
