@@ -187,8 +187,11 @@ class RingConnection:
 def _dumps(obj: Any) -> Any:
     """``ForkingPickler.dumps(obj)``, without its cost for a message that needs
     none of its reducers (Note [objects without a reducer] in _reductions.py)."""
-    plain = _reductions.plain_dumps(obj)
-    return plain if plain is not None else ForkingPickler.dumps(obj)
+    if not _reductions.reductions_on():  # when on, ForkingPickler.dumps tries the plain pickler itself
+        plain = _reductions.plain_dumps(obj)
+        if plain is not None:
+            return plain
+    return ForkingPickler.dumps(obj)
 
 
 def _slice(buf: Any, offset: int, size: Optional[int]) -> memoryview:
