@@ -12,12 +12,13 @@ the multiprocessing Pipe's in the same run.
 
 The second table sends objects (send/recv, pickled) instead: 64 B of bytes,
 a small dict, a 4 KiB CPU tensor and a 4 KiB CUDA tensor (skipped without
-CUDA), each echoed by a spawned child, on the same three channels; the floor
-is that channel's bytes round trip plus pickling and unpickling the object
-twice (measured here: ForkingPickler for the multiprocessing Pipe, what
-torch_ipc.Pipe's send() uses for torch_ipc's channels; a Connection's own
-serialization also makes a descriptor). Tensors go through torch_ipc's reductions on its own
-channels and through torch's on the multiprocessing Pipe.
+CUDA; answered by 0, see _reply), each echoed by a spawned child, on the
+same three channels. The floor is that channel's bytes round trip plus
+pickling and unpickling the object twice (measured here: ForkingPickler for
+the multiprocessing Pipe, what torch_ipc.Pipe's send() uses for torch_ipc's
+channels; a Connection's own serialization also makes a descriptor).
+Tensors go through torch_ipc's reductions on its own channels and through
+torch's on the multiprocessing Pipe.
 
 Usage:
     python benchmarks/channel_bench.py            # 30 batches of 2000 round trips
@@ -53,9 +54,15 @@ def _echo(end, spin_us, objects=False):
     send, recv = (end.send, end.recv) if objects else (end.send_bytes, end.recv_bytes)
     try:
         while True:
-            send(recv())
+            send(_reply(recv()))
     except (EOFError, OSError):
         pass
+
+
+def _reply(message):
+    """The message back; a CUDA tensor is answered by 0 (torch cannot send
+    back a CUDA tensor it received, and every channel does the same work)."""
+    return 0 if getattr(message, "is_cuda", False) else message
 
 
 def _echo_connection(address, spin_us):
