@@ -10,18 +10,31 @@ that a loaded machine slows them alike. The table gives, per channel, the
 fastest batch's mean round trip (min) and the median batch's, and each over
 the multiprocessing Pipe's in the same run.
 
+The second table sends objects (send/recv, pickled) instead: 64 B of bytes,
+a small dict, a 4 KiB CPU tensor and a 4 KiB CUDA tensor (skipped without
+CUDA; answered by 0, see _reply), each echoed by a spawned child, on the
+same three channels. The floor is that channel's bytes round trip plus
+pickling and unpickling the object twice (measured here: ForkingPickler for
+the multiprocessing Pipe, what torch_ipc.Pipe's send() uses for torch_ipc's
+channels; a Connection's own serialization also makes a descriptor).
+Tensors go through torch_ipc's reductions on its own channels and through
+torch's on the multiprocessing Pipe.
+
 Usage:
     python benchmarks/channel_bench.py            # 30 batches of 2000 round trips
     python benchmarks/channel_bench.py --quick    # 10 batches of 500
     python benchmarks/channel_bench.py --spin     # also: torch_ipc.Pipe at several spin budgets
+    python benchmarks/channel_bench.py --no-objects  # the bytes table only
 
 Targets (issue 22): Connection <= 0.5x a multiprocessing Pipe on the 2-core CI
-machine; <= 10 us on the H100 machine.
+machine; <= 10 us on the H100 machine. Objects (issue 32): within 2x of the
+floor, <= 0.5x a multiprocessing Pipe's send()/recv().
 """
 
 import argparse
 import multiprocessing as mp
 import os
+import pickle
 import statistics
 import sys
 import time
@@ -35,14 +48,21 @@ AUTHKEY = b"channel-bench"
 MESSAGE = b"x" * 64
 
 
-def _echo(end, spin_us):
+def _echo(end, spin_us, objects=False):
     if spin_us is not None:
         _ring.set_spin_us(spin_us)
+    send, recv = (end.send, end.recv) if objects else (end.send_bytes, end.recv_bytes)
     try:
         while True:
-            end.send_bytes(end.recv_bytes())
+            send(_reply(recv()))
     except (EOFError, OSError):
         pass
+
+
+def _reply(message):
+    """The message back; a CUDA tensor is answered by 0 (torch cannot send
+    back a CUDA tensor it received, and every channel does the same work)."""
+    return 0 if getattr(message, "is_cuda", False) else message
 
 
 def _echo_connection(address, spin_us):
@@ -50,11 +70,11 @@ def _echo_connection(address, spin_us):
         _echo(conn, spin_us)
 
 
-def _batch(end, n):
-    send, recv = end.send_bytes, end.recv_bytes
+def _batch(end, n, obj=MESSAGE, objects=False):
+    send, recv = (end.send, end.recv) if objects else (end.send_bytes, end.recv_bytes)
     start = time.perf_counter_ns()
     for _ in range(n):
-        send(MESSAGE)
+        send(obj)
         recv()
     return (time.perf_counter_ns() - start) / n / 1000.0
 
@@ -108,12 +128,134 @@ def table(channels, base):
     return "\n".join(lines)
 
 
+# ---- objects: send()/recv() of pickled objects, echoed by a spawned child
+
+
+def _message(kind):
+    import torch
+
+    if kind == "64 B bytes":
+        return MESSAGE
+    if kind == "small dict":
+        return {"step": 7, "loss": 0.25, "name": "layer.3", "ids": [1, 2, 3]}
+    return torch.zeros(1024, device="cuda" if kind == "4 KiB CUDA tensor" else "cpu")
+
+
+def _echo_objects(end, reductions):
+    if reductions:
+        torch_ipc.init_reductions()
+    _echo(end, None, objects=True)
+
+
+def _echo_objects_connection(address, reductions):
+    with torch_ipc.connect(address, authkey=AUTHKEY) as conn:
+        _echo_objects(conn, reductions)
+
+
+class ObjectChannel:
+    """One channel to a spawned child that echoes objects; torch_ipc's
+    reductions on in both processes for torch_ipc's channels."""
+
+    def __init__(self, name, kind):
+        self.name, self.kind, self.times = name, kind, {}
+        self.reductions = kind != "mp"
+        ctx = mp.get_context("spawn")
+        if kind == "connection":
+            with torch_ipc.listen(authkey=AUTHKEY) as listener:
+                self.proc = ctx.Process(target=_echo_objects_connection, args=(listener.address, True), daemon=True)
+                self.proc.start()
+                self.end = listener.accept()
+        else:
+            a, b = mp.Pipe() if kind == "mp" else torch_ipc.Pipe()
+            self.proc = ctx.Process(target=_echo_objects, args=(b, self.reductions), daemon=True)
+            self.proc.start()
+            b.close()
+            self.end = a
+
+    def run(self, message, obj, n):
+        with torch_ipc.reductions() if self.reductions else _nothing():
+            self.times.setdefault(message, []).append(_batch(self.end, n, obj, objects=True))
+
+    def close(self):
+        self.end.close()
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def pickling_us(obj, dumps, reps=2000):
+    """Pickling (with `dumps`) and unpickling `obj` twice: a round trip's."""
+    start = time.perf_counter_ns()
+    for _ in range(reps):
+        pickle.loads(dumps(obj))
+    return 2 * (time.perf_counter_ns() - start) / reps / 1000.0
+
+
+def measure_objects(channels, messages, batches, n):
+    objs = {m: _message(m) for m in messages}
+    for m in messages:
+        per = n if "tensor" not in m else max(n // 10, 20)
+        for c in channels:  # warm-up
+            c.run(m, objs[m], max(per // 10, 10))
+            c.times[m].clear()
+        for _ in range(batches):
+            for c in channels:
+                c.run(m, objs[m], per)
+    from multiprocessing.reduction import ForkingPickler
+
+    ours = getattr(_ring, "_dumps", ForkingPickler.dumps)  # what torch_ipc.Pipe's send() pickles with
+    return {(m, c.name): pickling_us(objs[m], ForkingPickler.dumps if c.kind == "mp" else ours)
+            for m in messages if "tensor" not in m for c in channels}
+
+
+def object_table(channels, messages, bytes_floor, pickling):
+    base = channels[0]
+    lines = ["| message | channel | min us | median us | floor us | median / floor | min / mp Pipe "
+             "| median / mp Pipe |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for m in messages:
+        bmin, bmed = min(base.times[m]), statistics.median(base.times[m])
+        for c in channels:
+            lo, med = min(c.times[m]), statistics.median(c.times[m])
+            floor = bytes_floor[c.name] + pickling[m, c.name] if (m, c.name) in pickling else None
+            f = f"{floor:.1f} | {med / floor:.2f}x" if floor else "- | -"
+            lines.append(f"| {m} | {c.name} | {lo:.1f} | {med:.1f} | {f} | {lo / bmin:.2f}x | {med / bmed:.2f}x |")
+    return "\n".join(lines)
+
+
+def run_objects(args, batches, n, bytes_floor):
+    import torch
+
+    messages = ["64 B bytes", "small dict", "4 KiB CPU tensor"]
+    if torch.cuda.is_available():
+        messages.append("4 KiB CUDA tensor")
+    channels = [ObjectChannel("multiprocessing.Pipe", "mp"), ObjectChannel("torch_ipc.Connection", "connection"),
+                ObjectChannel("torch_ipc.Pipe", "pipe")]
+    try:
+        pickling = measure_objects(channels, messages, batches, n)
+    finally:
+        for c in channels:
+            c.close()
+    print(f"\nobjects (send/recv), {batches} paired batches of {n} ({max(n // 10, 20)} for tensors); "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; floor: the channel's bytes median + "
+          "pickling and unpickling twice" + ("" if torch.cuda.is_available() else "; no CUDA: no CUDA row"))
+    print(object_table(channels, messages, bytes_floor, pickling))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="10 batches of 500 round trips")
     ap.add_argument("--spin", action="store_true", help="torch_ipc.Pipe at several spin budgets too")
     ap.add_argument("--batches", type=int, default=None)
     ap.add_argument("-n", type=int, default=None, help="round trips per batch")
+    ap.add_argument("--no-objects", action="store_true", help="the bytes table only")
     args = ap.parse_args()
     batches = args.batches or (10 if args.quick else 30)
     n = args.n or (500 if args.quick else 2000)
@@ -131,6 +273,8 @@ def main():
     print(f"64 B round trip, {batches} paired batches of {n}; {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}; default spin {default_spin:g} us")
     print(table(channels, channels[0]))
+    if not args.no_objects:
+        run_objects(args, batches, n, {c.name: statistics.median(c.times) for c in channels[:3]})
 
 
 if __name__ == "__main__":

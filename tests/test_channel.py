@@ -382,7 +382,7 @@ def test_segment_checks_refuse_what_another_end_could_abuse(tmp_path):
     memory, sock, bell0, bell1 = _segment()
     os.close(bell1)
     bell1 = os.open(tmp_path / "file", os.O_RDWR | os.O_CREAT, 0o600)
-    with pytest.raises(PermissionError, match="not an eventfd"):
+    with pytest.raises(PermissionError, match="not a pipe"):
         _C.Channel(memory, sock, bell0, bell1, 1, SMALL_RING)
     assert os.path.getsize(tmp_path / "file") == 0
 
@@ -489,3 +489,35 @@ def test_poll_zero_reports_a_dead_peer_like_a_socket():
     finally:
         _stop(p)
         mine.close()
+
+
+class _Holder:
+    def __init__(self, value):
+        self.value = value
+
+
+def test_objects_without_a_reducer_are_pickled_as_forkingpickler_would():
+    """Note [objects without a reducer] in torch_ipc/mp/_reductions.py."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch_ipc.mp import _reductions
+
+    plain = [b"x" * 64, {"step": 1, "ids": [1, 2], "name": "a"}, (1.5, None, True), _Holder({"k": [3]})]
+    for obj in plain:
+        assert _reductions.plain_dumps(obj) == bytes(ForkingPickler.dumps(obj))
+    mp_end, other = mp.Pipe()
+    with mp_end, other:
+        class Sub(torch.Tensor):
+            pass
+
+        full = [torch.zeros(2), torch.nn.Parameter(torch.zeros(1)), torch.zeros(2).as_subclass(Sub),
+                torch.zeros(2).untyped_storage(), [1, {"a": torch.zeros(1)}], _Holder(torch.zeros(1)), [mp_end]]
+        for obj in full:
+            assert _reductions.plain_dumps(obj) is None, obj
+    a, b = torch_ipc.Pipe()
+    with a, b:
+        for obj in plain[:3]:
+            a.send(obj)
+            assert b.recv() == obj
+        a.send(_Holder(torch.arange(3)))
+        assert torch.equal(b.recv().value, torch.arange(3))

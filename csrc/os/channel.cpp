@@ -1,6 +1,8 @@
 #include "os/channel.h"
 
+#include <fcntl.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -9,6 +11,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstddef>
+#include <cstdio>
+#include <cstring>
 
 #include "base/errors.h"
 #include "os/futex.h"
@@ -18,16 +22,19 @@ namespace torch_ipc {
 // Note [fd wake-ups]
 // select() and asyncio wait on an fd, not on a futex. Once the reader asks
 // for an fd (Connection.fileno()), it sets fd_wakeups in its incoming ring;
-// from then on the producer rings the eventfd of that ring for each message,
-// before publishing it: readable fd => a message is there or about to be (a
-// recv then waits at most for the producer to finish copying, or notices its
-// death). After each message the reader empties the eventfd and rings it
-// again itself while messages_begun > messages_read, so the fd stays readable
-// exactly while messages wait. The producer counts the message, then reads
-// the flag; the reader sets the flag, then reads the count (both seq_cst):
-// a message begun as the flag is set is either rung by the producer or found
-// by the reader. The fd handed out is an epoll fd over that eventfd and the
-// socket, so the peer's end (socket hang-up) wakes it too.
+// from then on the producer rings the bell (a pipe: Note [private bells] in
+// ring_segment.cpp) of that ring for each message, before publishing it:
+// readable fd => a message is there or about to be (a recv then waits at
+// most for the producer to finish copying, or notices its death). After each
+// message the reader empties the bell and rings it again itself while
+// messages_begun > messages_read, so the fd stays readable exactly while
+// messages wait. The producer counts the message, then reads the flag; the
+// reader sets the flag, then reads the count (both seq_cst): a message begun
+// as the flag is set is either rung by the producer or found by the reader.
+// The fd handed out is an epoll fd over that bell and the socket, so the
+// peer's end (socket hang-up) wakes it too. None of these reads and writes
+// can block (our bells are ours alone and non-blocking), so they run with the
+// GIL held where the call holds it.
 
 class Channel::Busy {
  public:
@@ -53,33 +60,83 @@ class Channel::Busy {
 
 namespace {
 
-std::unique_ptr<ChannelSegment> map_checked(int memory, int socket, int bell0, int bell1, int side,
-                                            uint32_t ring_bytes) {
+std::unique_ptr<ChannelSegment> map_checked(int memory, int socket, int side, uint32_t ring_bytes) {
   TORCH_IPC_CHECK_VALUE(side == 0 || side == 1, "torch_ipc: a channel end's side is 0 or 1, not ", side);
   struct stat st {};
   if (fstat(socket, &st) != 0) throw_os_error("fstat", "the channel's socket");
   if (!S_ISSOCK(st.st_mode)) throw OsError(ENOTSOCK, "torch_ipc: the channel's socket is not a socket");
-  int bells[2] = {bell0, bell1};
-  return ChannelSegment::map(memory, bells, ring_bytes);
+  return ChannelSegment::map(memory, ring_bytes);
+}
+
+// Whether process `pid` has exited (a zombie has); "could not tell" is "no".
+bool process_gone(int32_t pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", int(pid));
+  UniqueFd f(open(path, O_RDONLY | O_CLOEXEC));
+  char buf[512] = {};
+  if (f.get() < 0 || ::read(f.get(), buf, sizeof(buf) - 1) <= 0) return false;
+  const char* paren = std::strrchr(buf, ')');  // the state follows the command's closing parenthesis
+  return paren != nullptr && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
 }
 
 }  // namespace
+
+// Note [one process per end]
+// Two processes sending on one end (a forked child and its parent) would
+// both write at the head they read and garble each other's messages, without
+// a word; two receiving would each take parts of messages. So each ring says
+// in its segment which process sends on it and which receives from it: the
+// first process to send (receive) claims it, and another process that tries
+// while the claimant lives gets OSError(EBUSY) naming it. The claim goes
+// with close() (and the end's destruction) in the claimant, and with its
+// exit: an exited (or zombie) claimant is replaced. So what multiprocessing
+// programs do works: an end used by a forked or spawned child only, or by
+// the parent only, or handed from one to the other once the first closed it
+// or exited. What raises: two living processes using one direction of one
+// end, which a multiprocessing.Pipe allows, unsafely, for messages above
+// PIPE_BUF. The check is one load of a word of the segment per message. A
+// peer can write a live pid there and make our calls raise: never a hang.
 
 Channel::Channel(UniqueFd memory, UniqueFd socket, UniqueFd bell0, UniqueFd bell1, int side,
                  uint32_t ring_bytes)
     : memory_(std::move(memory)),
       socket_(std::move(socket)),
-      segment_(map_checked(memory_.get(), socket_.get(), bell0.get(), bell1.get(), side, ring_bytes)),
+      bell_{open_private_bell(bell0.get()), open_private_bell(bell1.get())},  // Note [private bells]
+      segment_(map_checked(memory_.get(), socket_.get(), side, ring_bytes)),
       side_(side),
-      writer_(segment_->control(side), segment_->data(side), ring_bytes, side == 0 ? bell0.get() : bell1.get()),
-      reader_(segment_->control(1 - side), segment_->data(1 - side), ring_bytes, side == 0 ? bell1.get() : bell0.get()) {
-  bell_[0] = std::move(bell0);
-  bell_[1] = std::move(bell1);
-}
+      writer_(segment_->control(side), segment_->data(side), ring_bytes, bell_[side].get()),
+      reader_(segment_->control(1 - side), segment_->data(1 - side), ring_bytes, bell_[1 - side].get()),
+      pid_(int32_t(getpid())) {}
 
 Channel::~Channel() {
   closed_.store(true);
+  release_claims();
   close_fds_once();
+}
+
+void Channel::after_fork() {
+  busy_.store(0);
+  pid_ = int32_t(getpid());
+}
+
+void Channel::claim(std::atomic<int32_t>* owner, const char* doing) const {
+  int32_t was = owner->load(std::memory_order_relaxed);
+  while (was != pid_) {
+    if (was > 0 && !process_gone(was))
+      throw OsError(EBUSY, str("torch_ipc: process ", was, " ", doing, " on this end of the connection; process ",
+                               pid_, " may not as well: an end is used by one process at a time, or messages get "
+                               "garbled. Close the end in the process that no longer uses it, or give each "
+                               "process a connection of its own (Note [one process per end])"));
+    if (owner->compare_exchange_weak(was, pid_, std::memory_order_relaxed)) return;
+  }
+}
+
+void Channel::release_claims() {
+  for (auto* owner : {&segment_->control(side_)->writer_pid, &segment_->control(1 - side_)->reader_pid}) {
+    int32_t mine = pid_;
+    owner->compare_exchange_strong(mine, 0, std::memory_order_relaxed);
+  }
 }
 
 WaitContext Channel::context(int64_t deadline_ns) const {
@@ -98,7 +155,8 @@ bool Channel::peer_gone() const {
   return gone;
 }
 
-void Channel::fail(WaitEnd end, const char* doing) const {
+void Channel::fail(WaitEnd end, const char* doing) {
+  if (end == WaitEnd::Interrupted) throw WaitInterrupted();
   if (end == WaitEnd::Closed) throw OsError(EBADF, "torch_ipc: the connection is closed");
   throw OsError(EPIPE, str("torch_ipc: the other end of the connection is gone (closed, or its process exited) while ",
                            doing));
@@ -106,23 +164,33 @@ void Channel::fail(WaitEnd end, const char* doing) const {
 
 void Channel::send(const void* data, size_t size) {
   Busy busy(this);
-  WaitEnd end = writer_.send(data, size, context(-1));
+  claim(&segment_->control(side_)->writer_pid, "sends");
+  uint64_t written = 0;
+  WaitEnd end = writer_.send(data, size, context(-1), &written);
+  if (end == WaitEnd::Interrupted && written > 0) close();  // the ring holds part of a message: the stream is cut
   if (end != WaitEnd::Ready) fail(end, "sending");
 }
 
 int64_t Channel::send_within(const void* data, size_t size, int64_t timeout_ns) {
   Busy busy(this);
+  claim(&segment_->control(side_)->writer_pid, "sends");
   uint64_t written = 0;
   WaitEnd end = writer_.send(data, size, context(steady_now_ns() + std::max<int64_t>(timeout_ns, 0)), &written);
   if (end == WaitEnd::Timeout) return int64_t(written);
+  if (end == WaitEnd::Interrupted && written > 0) close();
   if (end != WaitEnd::Ready) fail(end, "sending");
   return -1;
 }
 
 bool Channel::next_size(uint64_t* size) {
   Busy busy(this);
-  WaitEnd end = reader_.read(size, sizeof(*size), context(-1));
+  claim(&segment_->control(1 - side_)->reader_pid, "receives");
+  WaitContext ctx = context(-1);
+  WaitEnd end = reader_.wait_readable(ctx);  // an interrupt here has taken nothing
+  const bool began = end == WaitEnd::Ready;
+  if (began) end = reader_.read(size, sizeof(*size), ctx);
   if (end == WaitEnd::PeerGone) return false;
+  if (end == WaitEnd::Interrupted && began) close();  // part of a length was taken: the stream is cut
   if (end != WaitEnd::Ready) fail(end, "receiving");
   if (*size >= (uint64_t(1) << 47))  // more than any machine holds: not a length we wrote
     throw OsError(EPROTO, str("torch_ipc: the channel's incoming ring holds an impossible message length (", *size,
@@ -139,6 +207,7 @@ bool Channel::body(void* out, size_t size) {
   Busy busy(this);
   WaitEnd end = reader_.read(out, size, context(-1));
   if (end == WaitEnd::PeerGone) return false;
+  if (end == WaitEnd::Interrupted) close();  // part of a message was taken: the stream is cut
   if (end != WaitEnd::Ready) fail(end, "receiving");
   return true;
 }
@@ -152,7 +221,7 @@ bool Channel::poll(int64_t timeout_ns) {
   Busy busy(this);
   int64_t deadline = timeout_ns < 0 ? -1 : steady_now_ns() + timeout_ns;
   WaitEnd end = reader_.wait_readable(context(deadline));
-  if (end == WaitEnd::Closed) fail(end, "polling");
+  if (end == WaitEnd::Closed || end == WaitEnd::Interrupted) fail(end, "polling");
   return end != WaitEnd::Timeout;  // PeerGone: readable, the next recv raises EOFError
 }
 
@@ -183,6 +252,7 @@ void Channel::wake_everyone() const {
 
 void Channel::close() {
   if (closed_.exchange(true, std::memory_order_seq_cst)) return;
+  release_claims();
   wake_everyone();  // our own waiters return and raise
   if (busy_.load(std::memory_order_seq_cst) == 0) close_fds_once();
 }

@@ -2,12 +2,14 @@
 // `side`, read ring 1 - side), the socket to the other end (how its death is
 // noticed, Note [noticing a dead peer] in ring.cpp), and the bells for fd
 // waiters (Note [fd wake-ups] in channel.cpp). One sender and one receiver
-// at a time: the Python layer serializes each direction.
+// at a time: the Python layer serializes each direction within a process,
+// and an end is used by one process at a time (Note [one process per end]).
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <memory>
 
 #include "os/fd_passing.h"
@@ -15,6 +17,13 @@
 #include "os/ring_segment.h"
 
 namespace torch_ipc {
+
+// A wait of the channel ended because Python's signal handler raised (Note
+// [interruptible waits] in ring.cpp): the Python error is set; the bindings
+// raise it.
+struct WaitInterrupted : std::exception {
+  const char* what() const noexcept override { return "torch_ipc: a channel wait was interrupted"; }
+};
 
 class Channel {
  public:
@@ -50,8 +59,8 @@ class Channel {
   // inside, closes the fds and wakes the peer's waiters. Idempotent.
   void close();
   bool closed() const { return closed_.load(); }
-  // A forked child has none of its parent's calls inside.
-  void after_fork() { busy_.store(0); }
+  // A forked child has none of its parent's calls inside, and a pid of its own.
+  void after_fork();
 
   int memory_fd() const { return memory_.get(); }
   int socket_fd() const { return socket_.get(); }
@@ -63,7 +72,9 @@ class Channel {
   class Busy;
   WaitContext context(int64_t deadline_ns) const;
   bool peer_gone() const;
-  [[noreturn]] void fail(WaitEnd end, const char* doing) const;
+  [[noreturn]] void fail(WaitEnd end, const char* doing);
+  void claim(std::atomic<int32_t>* owner, const char* doing) const;
+  void release_claims();
   void close_fds_once();
   void wake_everyone() const;
 
@@ -76,6 +87,7 @@ class Channel {
   mutable std::atomic<bool> peer_gone_seen_{false};
   std::atomic<bool> fds_closed_{false};
   std::atomic<int> busy_{0};
+  int32_t pid_;  // ours, refreshed after fork
 };
 
 // Where the fields of ring `ring` lie in the segment, for tests that write over them.

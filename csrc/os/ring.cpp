@@ -53,6 +53,16 @@ namespace torch_ipc {
 // multiprocessing.Pipe's: 0 yields 0.54x, 2: 0.42x, 4: 0.41x, 8: 0.39x,
 // 16: 0.38x, 32: 0.38x. On an idle machine a yield returns at once: 16 of
 // them are ~5 us more of spinning.
+// Note [interruptible waits]
+// Ctrl-C must end any wait of the channel, as it ends a wait on a socket.
+// A wait sleeps with the GIL released, in slices of at most kPeerCheckNs;
+// each time a slice ends with nothing there (woken, timed out, or EINTR: a
+// signal that hit this thread ends the futex wait at once) it asks the
+// InterruptCheck, which the bindings make "run Python's signal handlers if
+// this is the main thread, and say whether one raised". A handler that
+// raises ends the wait (WaitEnd::Interrupted) and its exception is what the
+// call raises; one that returns lets the wait go on. A signal that another
+// thread took is seen at the end of the slice: within ~kPeerCheckNs.
 // Note [noticing a dead peer]
 // Nothing in the segment tells that the peer died (SIGKILL leaves no trace
 // there). Its socket does: the kernel closes it with the process. A sleeping
@@ -76,6 +86,12 @@ int64_t default_spin_ns() {
 }
 
 std::atomic<int64_t> g_spin_ns{default_spin_ns()};
+std::atomic<InterruptCheck> g_interrupt_check{nullptr};
+
+bool interrupted() {
+  InterruptCheck check = g_interrupt_check.load(std::memory_order_relaxed);
+  return check != nullptr && check();
+}
 
 template <class Ready>
 WaitEnd wait_for(Ready ready, std::atomic<uint32_t>* sleeps, const WaitContext& ctx) {
@@ -111,6 +127,7 @@ WaitEnd wait_for(Ready ready, std::atomic<uint32_t>* sleeps, const WaitContext& 
     sleeps->store(0, std::memory_order_relaxed);
     if (ready()) return WaitEnd::Ready;
     if (ctx.closed->load(std::memory_order_acquire)) return WaitEnd::Closed;
+    if (interrupted()) return WaitEnd::Interrupted;  // Note [interruptible waits]
     if (gone()) return ready() ? WaitEnd::Ready : WaitEnd::PeerGone;
   }
 }
@@ -134,6 +151,10 @@ int64_t steady_now_ns() {
 
 int64_t ring_spin_ns() {
   return g_spin_ns.load(std::memory_order_relaxed);
+}
+
+void set_wait_interrupt_check(InterruptCheck check) {
+  g_interrupt_check.store(check, std::memory_order_relaxed);
 }
 
 void set_ring_spin_ns(int64_t ns) {
@@ -160,11 +181,31 @@ void RingWriter::publish(uint64_t head) {
   wake_if_sleeping(&c_->reader_sleeps);
 }
 
-void RingWriter::ring_bell() {
-  uint64_t one = 1;
-  // EAGAIN: the counter is full, so the bell is rung already.
-  while (write(bell_fd_, &one, sizeof(one)) < 0 && errno == EINTR) {
+namespace {
+
+// One byte into a bell of our own (non-blocking: Note [private bells] in
+// ring_segment.cpp). EAGAIN: the pipe is full, so the bell is rung already.
+void ring(int bell_fd) {
+  const char one = 1;
+  while (write(bell_fd, &one, 1) < 0 && errno == EINTR) {
   }
+}
+
+// Empty a bell of our own, in a bounded number of reads: a peer that keeps
+// ringing cannot keep us here.
+void empty(int bell_fd) {
+  char sink[256];
+  for (int i = 0; i < 16; ++i) {
+    ssize_t n = ::read(bell_fd, sink, sizeof(sink));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < ssize_t(sizeof(sink))) return;
+  }
+}
+
+}  // namespace
+
+void RingWriter::ring_bell() {
+  ring(bell_fd_);
 }
 
 WaitEnd RingWriter::send(const void* payload, size_t size, const WaitContext& ctx, uint64_t* written) {
@@ -264,15 +305,10 @@ void RingReader::message_done() {
 }
 
 void RingReader::rearm_bell() {
-  uint64_t count;
-  while (::read(bell_fd_, &count, sizeof(count)) < 0 && errno == EINTR) {
-  }
+  empty(bell_fd_);
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (c_->messages_begun.load(std::memory_order_seq_cst) > c_->messages_read.load(std::memory_order_relaxed)) {
-    uint64_t one = 1;
-    while (write(bell_fd_, &one, sizeof(one)) < 0 && errno == EINTR) {
-    }
-  }
+  if (c_->messages_begun.load(std::memory_order_seq_cst) > c_->messages_read.load(std::memory_order_relaxed))
+    ring(bell_fd_);
 }
 
 void RingReader::enable_fd_wakeups() {

@@ -3,7 +3,9 @@
 // message of any size streams through it: the producer publishes what fits
 // and waits for room, the consumer takes what is there and waits for more.
 // Waiting spins a little, then sleeps on a futex word that the other side
-// wakes only when it was told that this side sleeps (Note [ring wait]).
+// wakes only when it was told that this side sleeps (Note [ring wait]). The
+// bells (pipes, Note [private bells] in ring_segment.cpp) are never waited on
+// here: every read and write of them is non-blocking.
 #pragma once
 
 #include <atomic>
@@ -15,7 +17,13 @@
 
 namespace torch_ipc {
 
-enum class WaitEnd { Ready, Timeout, PeerGone, Closed };
+enum class WaitEnd { Ready, Timeout, PeerGone, Closed, Interrupted };
+
+// Asked by a sleeping waiter each time its sleep ends with nothing there
+// (Note [interruptible waits] in ring.cpp): true stops the wait
+// (WaitEnd::Interrupted). Set once by the bindings; none: never interrupted.
+using InterruptCheck = bool (*)();
+void set_wait_interrupt_check(InterruptCheck check);
 
 // What a wait looks at besides the ring: our own close, and whether the peer
 // is gone (its end of the socket closed): asked when a sleep or the deadline

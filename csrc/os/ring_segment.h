@@ -1,6 +1,6 @@
 // The shared segment of a channel: two single-producer single-consumer byte
 // rings, one per direction, in one memfd that is never linked into a file
-// system, and the eventfd per direction that wakes fd waiters (select, asyncio).
+// system, and the pipe per direction that wakes fd waiters (select, asyncio).
 // Created by one end; the other receives the fds over an authenticated Unix
 // socket (SCM_RIGHTS) or from its parent, and checks them before mapping
 // (Note [channel segment trust]).
@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "os/fd_passing.h"
@@ -20,8 +21,10 @@ namespace torch_ipc {
 struct RingControl {
   alignas(64) std::atomic<uint64_t> head;      // bytes published by the producer, ever
   std::atomic<uint64_t> messages_begun;        // messages the producer began (Note [fd wake-ups])
+  std::atomic<int32_t> writer_pid;             // the process that sends on it (Note [one process per end])
   alignas(64) std::atomic<uint64_t> tail;      // bytes taken by the consumer, ever
   std::atomic<uint64_t> messages_read;         // messages the consumer finished
+  std::atomic<int32_t> reader_pid;             // the process that receives from it
   alignas(64) std::atomic<uint32_t> reader_sleeps;  // futex word: 1 while the consumer sleeps
   alignas(64) std::atomic<uint32_t> writer_sleeps;  // futex word: 1 while the producer waits for room
   alignas(64) std::atomic<uint32_t> fd_wakeups;     // 1: the consumer wants its eventfd rung
@@ -35,12 +38,12 @@ struct ChannelHeader {
 };
 
 inline constexpr uint64_t kChannelMagic = 0x474e495243504954ull;  // "TIPCRING"
-inline constexpr uint32_t kChannelVersion = 1;
+inline constexpr uint32_t kChannelVersion = 2;
 inline constexpr size_t kChannelHeaderBytes = 4096;
 inline constexpr uint32_t kMinRingBytes = 4096;
 inline constexpr uint32_t kMaxRingBytes = 1u << 30;
 
-// The fds of a new segment: its memory and the eventfd of each direction.
+// The fds of a new segment: its memory and the bell (a pipe) of each direction.
 struct ChannelFds {
   UniqueFd memory;
   UniqueFd bell[2];
@@ -54,7 +57,7 @@ class ChannelSegment {
   // Map a segment received from the other end, after checking it and the
   // bells (Note [channel segment trust]); throws OsError (EPERM, EPROTO) when
   // a check fails. The fds stay the caller's.
-  static std::unique_ptr<ChannelSegment> map(int memory_fd, const int bell_fds[2], uint32_t ring_bytes);
+  static std::unique_ptr<ChannelSegment> map(int memory_fd, uint32_t ring_bytes);
   ~ChannelSegment();
   ChannelSegment(const ChannelSegment&) = delete;
   ChannelSegment& operator=(const ChannelSegment&) = delete;
@@ -71,5 +74,16 @@ class ChannelSegment {
 };
 
 size_t channel_segment_bytes(uint32_t ring_bytes);
+
+// The checks map() makes of the memory fd (Note [channel segment trust]):
+// the seals, then the size. `between_reads`, when given, runs between the two
+// reads: a test's stand-in for a peer that acts there.
+void check_channel_memory(int fd, uint32_t ring_bytes, const std::function<void()>& between_reads = nullptr);
+
+// A bell of our own on the pipe that `fd` (received from the peer, or our
+// parent) is an end of: a new open file description, read-write and
+// non-blocking, that nobody else holds (Note [private bells]). Throws
+// OsError(EPERM) when `fd` is not a pipe.
+UniqueFd open_private_bell(int fd);
 
 }  // namespace torch_ipc

@@ -1,5 +1,8 @@
 // One end of a shared-memory channel (os/channel.h); torch_ipc/mp/_ring.py is
 // its Python face. Every call that may wait releases the GIL.
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cerrno>
 
 #include "base/errors.h"
@@ -28,22 +31,29 @@ class BufferView {
   Py_buffer view_;
 };
 
-void send_bytes(Channel& channel, const py::object& data) {
-  BufferView view(data);
-  py::gil_scoped_release no_gil;
-  channel.send(view.data(), view.size());
+// The InterruptCheck of the channel's waits (Note [interruptible waits] in
+// os/ring.cpp), called without the GIL: Python runs signal handlers in the
+// main thread only, so other threads never take the GIL for it (a daemon
+// thread that took it at interpreter exit would not come back).
+bool python_signal_raised() {
+  if (syscall(SYS_gettid) != getpid()) return false;
+  py::gil_scoped_acquire gil;
+  return PyErr_CheckSignals() != 0;  // its exception stays set: the call raises it
 }
 
-// send_bytes that gives up after `timeout` seconds (Channel::send_within).
-int64_t send_bytes_within(Channel& channel, const py::object& data, double timeout) {
-  BufferView view(data);
-  const int64_t ns = timeout <= 0 ? 0 : int64_t(timeout * 1e9);
-  py::gil_scoped_release no_gil;
-  return channel.send_within(view.data(), view.size(), ns);
+// `call()` (which releases the GIL itself); a wait that a signal handler
+// ended raises the handler's exception.
+template <class Call>
+auto interruptible(Call call) {
+  try {
+    return call();
+  } catch (const WaitInterrupted&) {
+    throw py::error_already_set();
+  }
 }
 
 // One message as bytes; None when the peer closed (before or during it).
-py::object recv_bytes(Channel& channel, int64_t max_length) {
+py::object recv_message(Channel& channel, int64_t max_length) {
   uint64_t size = 0;
   bool got;
   {
@@ -71,6 +81,29 @@ py::object recv_bytes(Channel& channel, int64_t max_length) {
   return out;
 }
 
+void send_bytes(Channel& channel, const py::object& data) {
+  BufferView view(data);
+  interruptible([&] {
+    py::gil_scoped_release no_gil;
+    channel.send(view.data(), view.size());
+  });
+}
+
+// send_bytes that gives up after `timeout` seconds (Channel::send_within).
+int64_t send_bytes_within(Channel& channel, const py::object& data, double timeout) {
+  BufferView view(data);
+  const int64_t ns = timeout <= 0 ? 0 : int64_t(timeout * 1e9);
+  return interruptible([&] {
+    py::gil_scoped_release no_gil;
+    return channel.send_within(view.data(), view.size(), ns);
+  });
+}
+
+// One message as bytes; None when the peer closed (before or during it).
+py::object recv_bytes(Channel& channel, int64_t max_length) {
+  return interruptible([&] { return recv_message(channel, max_length); });
+}
+
 int64_t timeout_ns(const py::object& seconds) {
   if (seconds.is_none()) return -1;
   double s = seconds.cast<double>();
@@ -93,10 +126,12 @@ void bind_channel(py::module_& m) {
       .def("recv_bytes", &recv_bytes, py::arg("max_length") = -1)
       .def("poll", [](Channel& c, const py::object& timeout) {
         int64_t ns = timeout_ns(timeout);
-        py::gil_scoped_release no_gil;
-        return c.poll(ns);
+        return interruptible([&] {
+          py::gil_scoped_release no_gil;
+          return c.poll(ns);
+        });
       }, py::arg("timeout"))
-      .def("fileno", &Channel::wait_fd)
+      .def("fileno", &Channel::wait_fd, ReleaseGil())
       .def("close", &Channel::close, ReleaseGil())
       .def_property_readonly("closed", &Channel::closed)
       .def_property_readonly("side", &Channel::side)
@@ -110,6 +145,13 @@ void bind_channel(py::module_& m) {
     ChannelFds fds = ChannelSegment::create(ring_bytes);
     return py::make_tuple(fds.memory.release(), fds.bell[0].release(), fds.bell[1].release());
   }, py::arg("ring_bytes"), "a new channel segment: (memory fd, bell0 fd, bell1 fd), the caller's to close");
+  set_wait_interrupt_check(&python_signal_raised);
+  m.def("check_channel_memory", [](int fd, uint32_t ring_bytes, const py::object& between_reads) {
+    if (between_reads.is_none()) return check_channel_memory(fd, ring_bytes);
+    check_channel_memory(fd, ring_bytes, [&] { between_reads(); });
+  }, py::arg("fd"), py::arg("ring_bytes"), py::arg("between_reads") = py::none(),
+        "the checks of a received segment's memory fd; `between_reads()` runs between the seal and size reads "
+        "(for tests: a peer acting there)");
   m.def("channel_spin_ns", &ring_spin_ns);
   m.def("set_channel_spin_ns", &set_ring_spin_ns, py::arg("ns"));
   m.def("channel_ring_offsets", [](int ring) {

@@ -15,6 +15,12 @@ wait in the queue; beyond that the acceptor waits, and the kernel's backlog
 holds newcomers. Refusals are reported by accept() as warnings, in its caller's
 thread.
 
+Note [listen errors]
+Every error of listening is one OSError (its class and errno kept) whose
+message says once where, what went wrong and what to do: another listener
+answers there, a file that is not a socket is there, the folder does not
+exist, or what the system said (and "pick a free address").
+
 Note [stale socket path]
 A listener that was killed leaves its socket file behind, and binding there
 fails with EADDRINUSE. As servers do, a path that is a socket nobody accepts
@@ -27,6 +33,8 @@ import os
 import queue
 import socket
 import stat
+import struct
+import sys
 import threading
 from multiprocessing import connection as mpc
 from typing import Callable, Optional, Tuple, Union
@@ -35,6 +43,46 @@ Address = Union[str, tuple]
 
 _MAX_PENDING = 64  # connections in handshake or waiting in the queue
 _ACCEPT_POLL_S = 0.5  # how often the acceptor looks whether the listener was closed
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # torch_ipc/
+
+
+def _cannot_listen(error_class: type, errno_: Optional[int], address: Address, why: str, todo: str) -> OSError:
+    message = f"torch_ipc: cannot listen at {address!r}: {why}; {todo}"
+    return error_class(message) if errno_ is None else error_class(errno_, message)
+
+
+def _listen_error(e: OSError, address: Address) -> OSError:
+    """``e`` from bind() or listen() at ``address``, said once (Note [listen errors])."""
+    if e.errno is None:  # e.g. "AF_UNIX path too long"
+        return _cannot_listen(OSError, None, address, str(e), "pick a shorter path")
+    if isinstance(e, FileNotFoundError) and _is_path(address):
+        folder = os.path.dirname(os.path.abspath(address))
+        return _cannot_listen(FileNotFoundError, e.errno, address, f"the folder {folder!r} does not exist",
+                              "create it first, or pick another path")
+    return _cannot_listen(type(e), e.errno, address, e.strerror or str(e), "pick a free address")
+
+
+def caller_stacklevel() -> int:
+    """The stacklevel for warnings.warn that names the first frame outside
+    torch_ipc: the user's line that called into it."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def peer_of(sock: socket.socket) -> str:
+    """Who is at the other end of ``sock``: "pid N" (a Unix socket, SO_PEERCRED) or its address."""
+    try:
+        if sock.family == socket.AF_UNIX:
+            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+            return f"pid {pid}" if pid > 0 else "a process of another PID namespace"
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "a client that is gone"
 
 
 def _is_path(address: Address) -> bool:
@@ -63,12 +111,15 @@ def _take_over_stale_path(path: str) -> None:
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(st.st_mode):
-        raise FileExistsError(errno.EEXIST, f"torch_ipc: cannot listen at {path!r}: a file that is not a "
-                                            "socket is there; pick a free address")
+        raise _cannot_listen(FileExistsError, errno.EEXIST, path, "a file that is not a socket is there",
+                             "pick a free address")
     if _someone_listens(path):
-        raise OSError(errno.EADDRINUSE, f"torch_ipc: cannot listen at {path!r}: another listener accepts "
-                                        "connections there; pick a free address")
-    os.unlink(path)
+        raise _cannot_listen(OSError, errno.EADDRINUSE, path, "another listener accepts connections there",
+                             "pick a free address")
+    try:
+        os.unlink(path)
+    except OSError as e:
+        raise _listen_error(e, path) from None
 
 
 class SocketListener:
@@ -93,6 +144,9 @@ class SocketListener:
                 if mode is not None:
                     os.chmod(self._path, mode)  # before listen(): nobody can connect yet
             sock.listen(backlog)
+        except OSError as e:
+            sock.close()
+            raise _listen_error(e, address) from None
         except BaseException:
             sock.close()
             raise
@@ -143,7 +197,7 @@ class Handshakes:
         self._thread.start()
 
     def next(self) -> Tuple[str, object]:
-        """("ok", connection), ("refused", (error, timed_out)) or ("closed", None)."""
+        """("ok", connection), ("refused", (error, timed_out, peer)) or ("closed", None)."""
         kind, value = self._results.get()
         if kind == "ok":
             self._slots.release()
@@ -183,6 +237,7 @@ class Handshakes:
             threading.Thread(target=self._handshake, args=(sock,), name="torch_ipc-handshake", daemon=True).start()
 
     def _handshake(self, sock: socket.socket) -> None:
+        peer = peer_of(sock)
         conn = mpc.Connection(sock.detach())
         deadline = _Deadline(conn, self._timeout)
         try:
@@ -198,7 +253,7 @@ class Handshakes:
             timed_out = not deadline.finish()
             conn.close()
             self._slots.release()
-            self._results.put(("refused", (e, timed_out)))
+            self._results.put(("refused", (e, timed_out, peer)))
 
 
 class _Deadline:

@@ -14,8 +14,13 @@ ring streams through it in pieces (the writer waits for room while the reader
 takes what is there): no second path, no size limit, order kept.
 
 Threads: one sender and one receiver at a time per end; others wait on a
-lock. An end may be used from one process at a time (a forked child that
-inherited it, or the parent, not both at once), as with a pipe.
+lock. Processes: each direction of an end is used by one process at a time
+(a forked child that inherited it, or the parent, not both at once); another
+process that tries while the first lives gets OSError(EBUSY) instead of
+garbled messages (Note [one process per end] in csrc/os/channel.cpp).
+Every wait ends on Ctrl-C with the signal handler's exception (Note
+[interruptible waits] in csrc/os/ring.cpp); one that ends in the middle of a
+message closes the end, whose stream cannot go on.
 
 The segment is a memfd, 0600, size-sealed, never named (Note [channel
 segment trust] in csrc/os/ring_segment.cpp): a Connection's client makes it
@@ -37,7 +42,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional, Tuple
 
 from .. import _C
-from . import _channels
+from . import _channels, _reductions
 
 __all__ = ["Pipe", "RingConnection", "RING_BYTES"]
 
@@ -129,7 +134,7 @@ class RingConnection:
         """Pickle ``obj`` (ForkingPickler: tensors through torch_ipc when its
         reductions are on) and send it."""
         self._check(self._writable, "write-only")
-        data = ForkingPickler.dumps(obj)
+        data = _dumps(obj)
         _channels.sending(self, data, self._send_locked)  # Note [unread messages] in _channels.py
 
     def recv(self) -> Any:
@@ -177,6 +182,16 @@ class RingConnection:
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._channel.after_fork()
+
+
+def _dumps(obj: Any) -> Any:
+    """``ForkingPickler.dumps(obj)``, without its cost for a message that needs
+    none of its reducers (Note [objects without a reducer] in _reductions.py)."""
+    if not _reductions.reductions_on():  # when on, ForkingPickler.dumps tries the plain pickler itself
+        plain = _reductions.plain_dumps(obj)
+        if plain is not None:
+            return plain
+    return ForkingPickler.dumps(obj)
 
 
 def _slice(buf: Any, offset: int, size: Optional[int]) -> memoryview:
@@ -236,14 +251,18 @@ def Pipe(duplex: bool = True, *, ring_bytes: int = RING_BYTES) -> Tuple[RingConn
         {'x': 1}
     """
     memory, bell0, bell1 = _C.channel_segment(ring_bytes)
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    end0 = None
     try:
-        end0 = _channel(memory, a.fileno(), (bell0, bell1), 0, ring_bytes)
-        end1 = _channel(memory, b.fileno(), (bell0, bell1), 1, ring_bytes)
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with a, b:
+            end0 = _channel(memory, a.fileno(), (bell0, bell1), 0, ring_bytes)
+            end1 = _channel(memory, b.fileno(), (bell0, bell1), 1, ring_bytes)
+    except BaseException:
+        if end0 is not None:
+            end0.close()
+        raise
     finally:
-        a.close()
-        b.close()
-        _close_fds((memory, bell0, bell1))
+        _close_fds((memory, bell0, bell1))  # each end holds duplicates
     if duplex:
         return RingConnection(end0), RingConnection(end1)
     return RingConnection(end1, writable=False), RingConnection(end0, readable=False)

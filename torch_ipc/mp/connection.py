@@ -340,12 +340,7 @@ class Listener:
         self.handshake_timeout = float(handshake_timeout)
         self.max_bytes_in_flight = max_bytes_in_flight
         self._handshakes: Optional[_listener.Handshakes] = None
-        try:
-            self._listener = _listener.SocketListener(address, family, backlog, mode)
-        except OSError as e:
-            if str(e).startswith("torch_ipc:"):
-                raise
-            raise _with_address(e, f"cannot listen at {address!r}", "pick a free address") from None
+        self._listener = _listener.SocketListener(address, family, backlog, mode)  # Note [listen errors]
         if generated:
             print(f"torch_ipc: listening at {self.address!r}; clients connect with "
                   f"torch_ipc.connect({self.address!r}, authkey={authkey!r})", file=sys.stderr)
@@ -373,11 +368,12 @@ class Listener:
                 return value
             if kind == "closed":
                 raise OSError("torch_ipc: the listener is closed")
-            error, timed_out = value
+            error, timed_out, peer = value
             if not isinstance(error, _HANDSHAKE_ERRORS):
                 raise error
-            warnings.warn(f"torch_ipc: refused a client: {_refusal(error, timed_out, self.handshake_timeout)}",
-                          RuntimeWarning)
+            warnings.warn(f"torch_ipc: refused a client ({peer}): "
+                          f"{_refusal(error, timed_out, self.handshake_timeout)}",
+                          RuntimeWarning, stacklevel=_listener.caller_stacklevel())
 
     def close(self) -> None:
         """Stop listening. Idempotent."""

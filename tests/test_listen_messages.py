@@ -1,0 +1,86 @@
+"""What listen() says when it cannot listen (Note [listen errors] in
+torch_ipc/mp/_listener.py), and the warnings of a refused client: they point
+at the caller's line and name the peer."""
+import errno
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import torch_ipc
+
+AUTHKEY = b"listen-messages"
+TIMEOUT = 60.0
+
+
+def test_a_busy_path_is_said_once():
+    with torch_ipc.listen(authkey=AUTHKEY) as first:
+        address = first.address
+        with pytest.raises(OSError) as e:
+            torch_ipc.listen(address, authkey=AUTHKEY)
+    assert e.value.errno == errno.EADDRINUSE
+    assert e.value.strerror == (f"torch_ipc: cannot listen at {address!r}: another listener accepts "
+                                "connections there; pick a free address")
+
+
+def test_a_missing_folder_is_named(tmp_path):
+    path = str(tmp_path / "missing" / "x.sock")
+    with pytest.raises(FileNotFoundError) as e:
+        torch_ipc.listen(path, authkey=AUTHKEY)
+    assert e.value.strerror == (f"torch_ipc: cannot listen at {path!r}: the folder "
+                                f"{str(tmp_path / 'missing')!r} does not exist; create it first, or pick another path")
+
+
+def test_a_file_that_is_no_socket_is_named(tmp_path):
+    path = str(tmp_path / "plain")
+    open(path, "w").close()
+    with pytest.raises(FileExistsError) as e:
+        torch_ipc.listen(path, authkey=AUTHKEY)
+    assert e.value.strerror == (f"torch_ipc: cannot listen at {path!r}: a file that is not a socket is there; "
+                                "pick a free address")
+
+
+def test_a_busy_port_says_what_the_system_said():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        address = taken.getsockname()
+        with pytest.raises(OSError) as e:
+            torch_ipc.listen(address, authkey=AUTHKEY)
+    assert e.value.errno == errno.EADDRINUSE
+    assert e.value.strerror == (f"torch_ipc: cannot listen at {address!r}: {os.strerror(errno.EADDRINUSE)}; "
+                                "pick a free address")
+
+
+WRONG_THEN_RIGHT = textwrap.dedent("""
+    import sys, torch_ipc
+    from multiprocessing import AuthenticationError
+    try:
+        torch_ipc.connect(sys.argv[1], authkey=b"wrong key")
+    except AuthenticationError:
+        pass
+    with torch_ipc.connect(sys.argv[1], authkey=sys.argv[2].encode()) as conn:
+        conn.recv()
+""")
+
+
+def test_a_refused_client_warning_points_at_the_caller_and_names_the_peer():
+    with torch_ipc.listen(authkey=AUTHKEY) as listener:
+        child = subprocess.Popen([sys.executable, "-c", WRONG_THEN_RIGHT, listener.address, AUTHKEY.decode()])
+        try:
+            with pytest.warns(RuntimeWarning, match="refused a client") as caught:
+                conn = listener.accept()
+            with conn:
+                conn.send("bye")
+            assert child.wait(TIMEOUT) == 0
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    refused = [w for w in caught if "refused a client" in str(w.message)]
+    assert len(refused) == 1
+    assert refused[0].filename == __file__
+    assert str(refused[0].message).startswith(f"torch_ipc: refused a client (pid {child.pid}): ")
