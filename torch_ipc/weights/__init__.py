@@ -8,12 +8,16 @@ each new version at memory speed.
 
 See the README section "Sharing weights between a trainer and an inference
 engine" and Note [weights consistency protocol] in _control.py; for other
-nodes, "Across machines" and Note [relaying weights to other nodes] in relay.py.
+nodes, "Across machines" and Note [relaying weights to other nodes] in relay.py;
+for trainers and engines of several ranks, docs/sharded-weights.md and Note
+[sharded weights] in sharded.py.
 """
 
 from ._errors import BroadcastError, PublisherGoneError, WeightsMismatchError
 from .publisher import Publisher
 from .relay import Relay
+from .sharded import LocalShard, RemoteShardedSubscriber, ShardedPublisher, ShardedSubscriber, Take
 from .subscriber import Subscriber
 
-__all__ = ["Publisher", "Subscriber", "Relay", "PublisherGoneError", "WeightsMismatchError", "BroadcastError"]
+__all__ = ["Publisher", "Subscriber", "Relay", "ShardedPublisher", "ShardedSubscriber", "RemoteShardedSubscriber",
+           "Take", "LocalShard", "PublisherGoneError", "WeightsMismatchError", "BroadcastError"]
