@@ -26,8 +26,11 @@ def group_url() -> str:
 def init_group(url: str, rank: int, world: int, backend: str = "gloo") -> None:
     """Join the group at `url`, leaving the one joined before (a broken one)."""
     leave_group()
+    # NCCL's watchdog aborts the process at its timeout: longer than the tests'
+    # PeerGroup timeout (90 s), so that a hang shows every child's stacks.
+    seconds = 150 if "nccl" in backend else 30
     dist.init_process_group(backend, init_method=url, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+                            timeout=datetime.timedelta(seconds=seconds))
 
 
 def leave_group() -> None:

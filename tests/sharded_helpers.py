@@ -67,12 +67,22 @@ def engine_expected(full: Dict[str, torch.Tensor], rank: int, world: int, dtype=
     return {n: t.to(dtype) for n, t in out.items()}
 
 
-def engine_model(rank: int, world: int, dtype=torch.float32):
-    return {n: torch.zeros_like(t) for n, t in engine_expected(full_model(0), rank, world, dtype).items()}
+def engine_model(rank: int, world: int, dtype=torch.float32, device: str = "cpu"):
+    return {n: torch.zeros_like(t, device=device) for n, t in engine_expected(full_model(0), rank, world, dtype).items()}
+
+
+def _on(shards, device: str):
+    """The shards on `device` (a CUDA device: GPU tests)."""
+    if device == "cpu":
+        return shards
+    return {n: LocalShard(s.tensor.to(device), s.global_shape, s.offsets) if isinstance(s, LocalShard) else s.to(device)
+            for n, s in shards.items()}
 
 
 def mismatched(model, expected) -> List[str]:
-    return [n for n in expected if not torch.equal(model[n], expected[n])]
+    if next(iter(model.values())).is_cuda:
+        torch.cuda.synchronize()
+    return [n for n in expected if not torch.equal(model[n].cpu(), expected[n])]
 
 
 def _set_version(shards, layout: str, rank: int, world: int, version: int) -> None:
@@ -83,18 +93,26 @@ def _set_version(shards, layout: str, rank: int, world: int, version: int) -> No
 
 # ----------------------------------------------------------------------------- one node: child processes
 
-def trainer_serve(address, authkey: bytes, rank: int, world: int, layout: str, engines: int) -> int:
-    from torch_ipc.weights import ShardedPublisher
-
-    shards = trainer_shards(full_model(1), layout, rank, world)
-    pub = ShardedPublisher(shards, rank=rank)
-    HELD.update(pub=pub, shards=shards, layout=layout, rank=rank, world=world, conns=[])
+def _attach_and_publish(pub, address, authkey: bytes, engines: int) -> int:
+    """Attach `engines` engine ranks connecting at `address`, publish version 1."""
     with torch_ipc.listen(address, authkey=authkey) as listener:
         for _ in range(engines):
             conn = listener.accept()
             pub.attach(conn)
             HELD["conns"].append(conn)
     return pub.publish()
+
+
+def trainer_serve(address, authkey: bytes, rank: int, world: int, layout: str, engines: int,
+                  device: str = "cpu") -> int:
+    from torch_ipc.weights import ShardedPublisher
+
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
+    shards = _on(trainer_shards(full_model(1), layout, rank, world), device)
+    pub = ShardedPublisher(shards, rank=rank)
+    HELD.update(pub=pub, shards=shards, layout=layout, rank=rank, world=world, conns=[])
+    return _attach_and_publish(pub, address, authkey, engines)
 
 
 def trainer_publish(last: int, pause_s: float = 0.0) -> int:
@@ -112,13 +130,16 @@ def trainer_close() -> None:
         conn.close()
 
 
-def engine_attach(addresses, authkey: bytes, rank: int, world: int, dtype=torch.float32) -> int:
+def engine_attach(addresses, authkey: bytes, rank: int, world: int, dtype=torch.float32, device: str = "cpu") -> int:
     from torch_ipc.weights import ShardedSubscriber
 
     from weights_helpers import Connector
 
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
     conns = [Connector(a, authkey, wait=30.0)() for a in addresses]
-    HELD.update(sub=ShardedSubscriber(conns, wants=engine_wants(rank, world)), model=engine_model(rank, world, dtype),
+    HELD.update(sub=ShardedSubscriber(conns, wants=engine_wants(rank, world)),
+                model=engine_model(rank, world, dtype, device),
                 rank=rank, world=world, dtype=dtype, conns=conns)
     return os.getpid()
 
@@ -147,13 +168,13 @@ def engine_close() -> None:
 # ----------------------------------------------------------------------------- across nodes
 
 def remote_rank(transport, role: str, index: int, trainers, engines, layout: str, versions: int, dtype=torch.float32,
-                bucket_bytes: int = 512):
+                bucket_bytes: int = 512, device: str = "cpu"):
     """One rank of the remote protocol (any transport): a trainer publishes
     versions 1..`versions`; an engine pulls each and checks it bit for bit."""
-    from torch_ipc.weights import RemoteShardedSubscriber, ShardedPublisher
+    from torch_ipc.weights import ShardedPublisher, ShardedSubscriber
 
     if role == "trainer":
-        shards = trainer_shards(full_model(0), layout, index, len(trainers))
+        shards = _on(trainer_shards(full_model(0), layout, index, len(trainers)), device)
         pub = ShardedPublisher(shards, rank=index)
         pub.send_to(trainers=trainers, engines=engines, transport=transport, bucket_bytes=bucket_bytes)
         for v in range(1, versions + 1):
@@ -161,23 +182,71 @@ def remote_rank(transport, role: str, index: int, trainers, engines, layout: str
             pub.publish()
         pub.close()
         return versions
-    model = engine_model(index, len(engines), dtype)
-    sub = RemoteShardedSubscriber(model, trainers=trainers, engines=engines, wants=engine_wants(index, len(engines)),
+    model = engine_model(index, len(engines), dtype, device)
+    sub = ShardedSubscriber.remote(model, trainers=trainers, engines=engines, wants=engine_wants(index, len(engines)),
                                   transport=transport)
     for v in range(1, versions + 1):
         assert sub.pull() == v
         want = engine_expected(full_model(v), index, len(engines), dtype)
         bad = mismatched(model, want)
         assert not bad, f"engine {index}, version {v}: {bad}"
-    return sub.plan_bytes()
+    in_place = sum(d is not None for plan in sub._receiver.direct for d in plan)
+    return sub.plan_bytes(), in_place
 
 
-def gloo_rank(url: str, rank: int, world: int, role: str, index: int, trainers, engines, layout: str,
-              versions: int, dtype=torch.float32):
+def group_rank(url: str, rank: int, world: int, role: str, index: int, trainers, engines, layout: str,
+               versions: int, dtype=torch.float32, backend: str = "gloo", device: str = "cpu"):
     from distributed_helpers import init_group, leave_group
 
-    init_group(url, rank, world)
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
+    init_group(url, rank, world, backend)
     try:
-        return remote_rank(None, role, index, trainers, engines, layout, versions, dtype)
+        return remote_rank(None, role, index, trainers, engines, layout, versions, dtype, 1 << 16, device)
     finally:
         leave_group()
+
+
+# ----------------------------------------------------------------------------- DTensor trainers
+
+def _placement(name: str):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Shard(0)] if name in COLUMN else [Shard(1)] if name in ROW else [Replicate()]
+
+
+def dtensor_trainer_serve(url: str, address, authkey: bytes, rank: int, world: int, engines: int) -> int:
+    """A TP trainer rank whose weights are DTensors on a CPU mesh over gloo."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from torch_ipc.weights import ShardedPublisher
+
+    from distributed_helpers import init_group
+
+    init_group(url, rank, world)
+    mesh = init_device_mesh("cpu", (world,))
+    full = full_model(1)
+    dtensors = {n: distribute_tensor(t, mesh, _placement(n)) for n, t in full.items()}
+    pub = ShardedPublisher(dtensors, rank=rank)
+    HELD.update(pub=pub, dtensors=dtensors, mesh=mesh, conns=[])
+    return _attach_and_publish(pub, address, authkey, engines)
+
+
+def dtensor_trainer_publish(last: int) -> int:
+    from torch.distributed.tensor import distribute_tensor
+
+    pub, dtensors, mesh = HELD["pub"], HELD["dtensors"], HELD["mesh"]
+    while pub.version < last:
+        for name, t in full_model(pub.version + 1).items():
+            dtensors[name].to_local().copy_(distribute_tensor(t, mesh, _placement(name)).to_local())
+        pub.publish()
+    return pub.version
+
+
+def dtensor_trainer_close() -> None:
+    from distributed_helpers import leave_group
+
+    trainer_close()
+    HELD.pop("dtensors")
+    leave_group()

@@ -70,12 +70,16 @@ def test_a_piece_larger_than_a_bucket_is_cut_and_buckets_stay_bounded():
 
 # ----------------------------------------------------------------------------- across nodes, in-memory transport
 
-@pytest.mark.parametrize("trainers,engines,layout", [(2, 1, "tp"), (1, 2, "tp"), (2, 4, "tp"), (2, 2, "fsdp"),
-                                                      (3, 2, "fsdp")])
-def test_remote_sharded_pull_over_the_in_memory_transport(trainers, engines, layout):
+@pytest.mark.parametrize("trainers,engines,layout,alone", [(2, 1, "tp", 0), (1, 2, "tp", 0), (2, 4, "tp", 0),
+                                                            (2, 2, "fsdp", 0), (3, 2, "fsdp", 0), (2, 2, "tp", 64)])
+def test_remote_sharded_pull_over_the_in_memory_transport(trainers, engines, layout, alone, monkeypatch):
     """Trainer ranks and engine ranks as threads on the in-memory transport:
     every engine rank gets every version of its slices bit for bit (bf16 on
-    odd engine ranks: converted in the pull)."""
+    odd engine ranks: converted in the pull). `alone`: pieces of 64 bytes or
+    more get buckets of their own, sent from the snapshot and received into
+    the engine's tensors in place where both are contiguous."""
+    if alone:
+        monkeypatch.setattr("torch_ipc.weights._shard_plan.ALONE_BYTES", alone)
     hub = th.Hub(trainers + engines)
     t_ranks, e_ranks = list(range(trainers)), list(range(trainers, trainers + engines))
     fns = [lambda i=i: sh.remote_rank(hub.transport(i), "trainer", i, t_ranks, e_ranks, layout, 4)
@@ -83,7 +87,9 @@ def test_remote_sharded_pull_over_the_in_memory_transport(trainers, engines, lay
     fns += [lambda j=j: sh.remote_rank(hub.transport(trainers + j), "engine", j, t_ranks, e_ranks, layout, 4,
                                        torch.bfloat16 if j % 2 else torch.float32) for j in range(engines)]
     results = th.run_ranks(fns)
-    received = [sum(r) for r in results[trainers:]]
+    received = [sum(r[0]) for r in results[trainers:]]
+    in_place = [r[1] for r in results[trainers:]]
+    assert in_place[1::2] == [0] * (engines // 2) and (in_place[0] > 4 or not alone)  # never into bf16 tensors
     for j, got in enumerate(received):  # exactly the bytes of its slices, in the trainer's dtype (fp32)
         want = sum(t.numel() * 4 for t in sh.engine_expected(sh.full_model(0), j, engines).values())
         assert got <= want + 256 * 64 and got >= want
@@ -91,14 +97,16 @@ def test_remote_sharded_pull_over_the_in_memory_transport(trainers, engines, lay
 
 # ----------------------------------------------------------------------------- one node, processes
 
-def _one_node(group, trainers: int, engines: int, layout: str, dtype=torch.float32):
+def _one_node(group, trainers: int, engines: int, layout: str, dtype=torch.float32, devices=None):
+    """Trainer and engine peers attached; `devices`: (trainer devices, engine devices) for GPU runs."""
+    t_devices, e_devices = devices or (["cpu"] * trainers, ["cpu"] * engines)
     addresses, key = [wh.listener_address()[0] for _ in range(trainers)], b"k" * 16
     t_peers = [group.get(f"trainer{i}") for i in range(trainers)]
     e_peers = [group.get(f"engine{j}") for j in range(engines)]
     for i, peer in enumerate(t_peers):
-        peer.start_call(sh.trainer_serve, addresses[i], key, i, trainers, layout, engines)
+        peer.start_call(sh.trainer_serve, addresses[i], key, i, trainers, layout, engines, t_devices[i])
     for j, peer in enumerate(e_peers):
-        peer.start_call(sh.engine_attach, addresses, key, j, engines, dtype)
+        peer.start_call(sh.engine_attach, addresses, key, j, engines, dtype, e_devices[j])
     assert [p.result() for p in t_peers] == [1] * trainers
     for peer in e_peers:
         peer.result()
@@ -142,7 +150,70 @@ def test_remote_sharded_pull_over_gloo_tp2_to_tp2_in_bf16():
         peers = [group.get(f"rank{r}") for r in range(4)]
         roles = [("trainer", 0), ("trainer", 1), ("engine", 0), ("engine", 1)]
         for r, (peer, (role, index)) in enumerate(zip(peers, roles)):
-            peer.start_call(sh.gloo_rank, url, r, 4, role, index, [0, 1], [2, 3], "tp", 3,
+            peer.start_call(sh.group_rank, url, r, 4, role, index, [0, 1], [2, 3], "tp", 3,
                             torch.bfloat16 if role == "engine" else torch.float32)
         results = [p.result() for p in peers]
-        assert results[:2] == [3, 3] and all(sum(r) > 0 for r in results[2:])
+        assert results[:2] == [3, 3] and all(sum(r[0]) > 0 for r in results[2:])
+
+
+def test_dtensor_trainer_ranks_on_a_cpu_mesh_to_tp_engines():
+    """Two trainer ranks hold the model as DTensors (Shard(0) columns, Shard(1)
+    rows, Replicate norm published by rank 0 only) on init_device_mesh("cpu",
+    (2,)) over gloo; three TP=3 engine ranks pull them (uneven cuts)."""
+    url, key = dh.group_url(), b"d" * 16
+    addresses = [wh.listener_address()[0] for _ in range(2)]
+    with PeerGroup(timeout=TIMEOUT) as group:
+        t_peers = [group.get(f"trainer{i}") for i in range(2)]
+        e_peers = [group.get(f"engine{j}") for j in range(3)]
+        for i, peer in enumerate(t_peers):
+            peer.start_call(sh.dtensor_trainer_serve, url, addresses[i], key, i, 2, 3)
+        for j, peer in enumerate(e_peers):
+            peer.start_call(sh.engine_attach, addresses, key, j, 3)
+        assert [p.result() for p in t_peers] == [1, 1]
+        for peer in e_peers:
+            peer.result()
+        for peer in t_peers:
+            peer.start_call(sh.dtensor_trainer_publish, 3)
+        for peer in e_peers:
+            assert peer.call(sh.engine_pull_until, 3)[-1] == 3
+        assert [p.result() for p in t_peers] == [3, 3]
+        for peer in e_peers:
+            peer.call(sh.engine_close)
+        for peer in t_peers:
+            peer.call(sh.dtensor_trainer_close)
+
+
+# ----------------------------------------------------------------------------- GPUs
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("trainers,engines", [(2, 1), (1, 2)])
+def test_one_node_sharded_pull_on_two_gpus(trainers, engines):
+    """Trainer TP=2 on GPUs 0,1 -> engine TP=1 on GPU 0 (it reads GPU 1's
+    shard over the peer link), and TP=1 on GPU 0 -> TP=2 on GPUs 0,1; bf16
+    engines, every version bit for bit under continuous publishing."""
+    devices = ([f"cuda:{i}" for i in range(trainers)], [f"cuda:{j}" for j in range(engines)])
+    with PeerGroup(timeout=TIMEOUT) as group:
+        t_peers, e_peers = _one_node(group, trainers, engines, "tp", torch.bfloat16, devices)
+        for peer in e_peers:
+            peer.start_call(sh.engine_pull_until, 8)
+        for peer in t_peers:
+            peer.start_call(sh.trainer_publish, 8, 0.001)
+        assert [p.result() for p in t_peers] == [8] * trainers
+        for peer in e_peers:
+            assert peer.result()[-1] == 8
+            peer.call(sh.engine_close)
+        for peer in t_peers:
+            peer.call(sh.trainer_close)
+
+
+@pytest.mark.gpus(2)
+def test_remote_sharded_pull_over_nccl_on_two_gpus():
+    """A trainer rank on GPU 0 and an engine rank on GPU 1 in one NCCL group
+    (standing for two nodes): batch_isend_irecv of the intersections."""
+    url = dh.group_url()
+    with PeerGroup(timeout=TIMEOUT) as group:
+        peers = [group.get(f"rank{r}") for r in range(2)]
+        for r, (peer, role) in enumerate(zip(peers, ("trainer", "engine"))):
+            peer.start_call(sh.group_rank, url, r, 2, role, 0, [0], [1], "tp", 3, torch.float32, "nccl", f"cuda:{r}")
+        results = [p.result() for p in peers]
+        assert results[0] == 3 and sum(results[1][0]) > 0

@@ -16,8 +16,7 @@ for trainers and engines of several ranks, docs/sharded-weights.md and Note
 from ._errors import BroadcastError, PublisherGoneError, WeightsMismatchError
 from .publisher import Publisher
 from .relay import Relay
-from .sharded import LocalShard, RemoteShardedSubscriber, ShardedPublisher, ShardedSubscriber, Take
+from .sharded import LocalShard, ShardedPublisher, ShardedSubscriber, Take
 from .subscriber import Subscriber
 
-__all__ = ["Publisher", "Subscriber", "Relay", "ShardedPublisher", "ShardedSubscriber", "RemoteShardedSubscriber",
-           "Take", "LocalShard", "PublisherGoneError", "WeightsMismatchError", "BroadcastError"]
+__all__ = ["Publisher", "Subscriber", "Relay", "ShardedPublisher", "ShardedSubscriber", "Take", "LocalShard", "PublisherGoneError", "WeightsMismatchError", "BroadcastError"]

@@ -52,13 +52,36 @@ def _itemsizes(sources: Mapping[str, List[Tuple[int, Held]]]) -> Dict[str, int]:
     return {name: torch.empty(0, dtype=rows[0][1].dtype).element_size() for name, rows in sources.items()}
 
 
+IN_FLIGHT = 2  # rounds of buckets in flight: packing or unpacking one overlaps the transfer of the other
+
+
 def _staging(plans: Sequence[List[List[Piece]]], itemsize: Mapping[str, int], device: torch.device):
-    """One buffer per peer, of its largest bucket (bounded by the bytes this rank sends or wants)."""
+    """Per peer, IN_FLIGHT buffers of its largest staged bucket (bounded by
+    the bytes this rank sends or wants of that peer)."""
     out = []
     for plan in plans:
         size = max((p.offset + volume(p.box) * itemsize[p.name] for bucket in plan for p in bucket), default=0)
-        out.append(torch.empty(size, dtype=torch.uint8, device=device))
+        out.append([torch.empty(size, dtype=torch.uint8, device=device) for _ in range(IN_FLIGHT)])
     return out
+
+
+def _as_bytes(view: torch.Tensor):
+    """A contiguous tensor as its bytes (the wire carries bytes: NCCL pairs a
+    send and a receive by count and type), else None."""
+    return view.reshape(-1).view(torch.uint8) if view.is_contiguous() else None
+
+
+def _rounds(plans: Sequence[List[List[Piece]]], post, finish) -> None:
+    """Bucket k of every peer in round k, IN_FLIGHT rounds in flight:
+    ``post(k)`` starts round k (returns its works), ``finish(k, works)``
+    waits for them."""
+    pending: List[Tuple[int, List[Any]]] = []
+    for k in range(max((len(p) for p in plans), default=0)):
+        if len(pending) == IN_FLIGHT:
+            finish(*pending.pop(0))
+        pending.append((k, post(k)))
+    for k, works in pending:
+        finish(k, works)
 
 
 def _piece_view(staging: torch.Tensor, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
@@ -86,13 +109,19 @@ class Sender:
         itemsize = _itemsizes(sources)
         self.transport, self.engines = transport, list(engines)
         self.plans = [buckets(list(pair_boxes(w, sources, me)), itemsize, bucket) for w in wants]
-        device = next(iter(views.values())).device
-        self.staging = _staging(self.plans, itemsize, device)
-        boxes = {h.name: h.box for h in held}
-        self.packs = [[BatchedCopy([(views[p.name][relative(p.box, boxes[p.name])],
-                                     _piece_view(staging, p, views[p.name].dtype)) for p in bucket])
-                       for bucket in plan] for plan, staging in zip(self.plans, self.staging)]
+        self.staging = _staging(self.plans, itemsize, next(iter(views.values())).device)
         self.ends = _ends(self.plans, itemsize)
+        boxes = {h.name: h.box for h in held}
+
+        def source(p: Piece) -> torch.Tensor:
+            return views[p.name][relative(p.box, boxes[p.name])]
+
+        # per peer, per bucket: the snapshot's bytes to send in place, or the copies into staging
+        self.direct = [[_as_bytes(source(b[0])) if len(b) == 1 else None for b in plan] for plan in self.plans]
+        self.packs = [[None if direct[k] is not None else
+                       BatchedCopy([(source(p), _piece_view(staging[k % IN_FLIGHT], p, views[p.name].dtype))
+                                    for p in b]) for k, b in enumerate(plan)]
+                      for plan, staging, direct in zip(self.plans, self.staging, self.direct)]
 
     def send(self, version: int) -> None:
         """Send `version` (already in the snapshot) to every engine rank."""
@@ -101,14 +130,19 @@ class Sender:
         for work, header in zip(self.transport.batch([("send", h, e) for h, e in zip(headers, self.engines)]),
                                 headers):
             _dist.finish(work, header)
-        for k in range(max((len(p) for p in self.plans), default=0)):
+
+        def post(k: int) -> List[Any]:
             ops = []
             for i, plan in enumerate(self.plans):
                 if k < len(plan):
-                    self.packs[i][k].run()
-                    ops.append(("send", self.staging[i][: self.ends[i][k]], self.engines[i]))
-            for work in self.transport.batch(ops):
-                work.wait()
+                    data = self.direct[i][k]
+                    if data is None:
+                        self.packs[i][k].run()
+                        data = self.staging[i][k % IN_FLIGHT][: self.ends[i][k]]
+                    ops.append(("send", data, self.engines[i]))
+            return self.transport.batch(ops)
+
+        _rounds(self.plans, post, lambda k, works: [w.wait() for w in works])
 
 
 def _ends(plans: Sequence[List[List[Piece]]], itemsize: Mapping[str, int]) -> List[List[int]]:
@@ -150,10 +184,21 @@ class Receiver:
         by_name: Dict[str, List[Tuple[torch.Tensor, Part]]] = {}
         for tensor, part in plan.parts:
             by_name.setdefault(part.name, []).append((tensor, part))
-        self.unpacks = [[BatchedCopy([(_piece_view(staging, p, dtypes[p.name]), t[landing(part, p.box)])
-                                      for p in b for t, part in by_name.get(p.name, ())
-                                      if intersect(part.box, p.box) == p.box])
-                         for b in plan_] for plan_, staging in zip(self.plans, self.staging)]
+
+        def landings(p: Piece) -> List[torch.Tensor]:
+            return [t[landing(part, p.box)] for t, part in by_name.get(p.name, ())
+                    if intersect(part.box, p.box) == p.box]
+
+        def in_place(b: List[Piece]):
+            """The engine tensor's bytes a lone piece lands in, when it can be received there."""
+            dsts = landings(b[0]) if len(b) == 1 else []
+            return _as_bytes(dsts[0]) if len(dsts) == 1 and dsts[0].dtype == dtypes[b[0].name] else None
+
+        self.direct = [[in_place(b) for b in plan_] for plan_ in self.plans]
+        self.unpacks = [[None if direct[k] is not None else
+                         BatchedCopy([(_piece_view(staging[k % IN_FLIGHT], p, dtypes[p.name]), d)
+                                      for p in b for d in landings(p)]) for k, b in enumerate(plan_)]
+                        for plan_, staging, direct in zip(self.plans, self.staging, self.direct)]
         self.version = 0
 
     def pull(self) -> int:
@@ -169,15 +214,23 @@ class Receiver:
             if magic != MAGIC or v != version or v <= self.version or n != len(plan):
                 raise ValueError(f"torch_ipc.weights: trainer {rank} sent header {[magic, v, n]} (expected "
                                  f"version {version} > {self.version} in {len(plan)} buckets); the group is out of step")
-        for k in range(max((len(p) for p in self.plans), default=0)):
-            ops, runs = [], []
+        def post(k: int) -> List[Any]:
+            ops = []
             for i, plan in enumerate(self.plans):
                 if k < len(plan):
-                    ops.append(("recv", self.staging[i][: self.ends[i][k]], self.trainers[i]))
-                    runs.append(self.unpacks[i][k])
-            for work in self.transport.batch(ops):
+                    data = self.direct[i][k]
+                    if data is None:
+                        data = self.staging[i][k % IN_FLIGHT][: self.ends[i][k]]
+                    ops.append(("recv", data, self.trainers[i]))
+            return self.transport.batch(ops)
+
+        def finish(k: int, works: List[Any]) -> None:
+            for work in works:
                 work.wait()
-            for run in runs:
-                run.run()
+            for i, plan in enumerate(self.plans):
+                if k < len(plan) and self.unpacks[i][k] is not None:
+                    self.unpacks[i][k].run()
+
+        _rounds(self.plans, post, finish)
         self.version = version
         return version

@@ -52,10 +52,23 @@ from ._shard_remote import Receiver, Sender
 from ._share import named_tensors, send
 from .publisher import Publisher
 
-__all__ = ["ShardedPublisher", "ShardedSubscriber", "RemoteShardedSubscriber", "Take", "LocalShard"]
+__all__ = ["ShardedPublisher", "ShardedSubscriber", "Take", "LocalShard"]
 
 
-class ShardedPublisher:
+class _Closing:
+    """``with`` closes it."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ShardedPublisher(_Closing):
     """Publish one trainer rank's shards of a model (Note [sharded weights]).
 
     ``source``: {global name: DTensor | LocalShard | tensor} (an
@@ -117,14 +130,8 @@ class ShardedPublisher:
         self._sender = None
         self._publisher.close()
 
-    def __enter__(self) -> "ShardedPublisher":
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class ShardedSubscriber:
+class ShardedSubscriber(_Closing):
     """An engine rank on the trainer ranks' node (Note [sharded weights]).
 
     ``sources``: one connection (or Pipe end, or queue) per trainer rank,
@@ -174,11 +181,15 @@ class ShardedSubscriber:
         self._shards.close()
         self._pulls.clear()
 
-    def __enter__(self) -> "ShardedSubscriber":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    @staticmethod
+    def remote(into: Any, *, trainers: Sequence[int], engines: Sequence[int],
+               wants: Optional[Mapping[str, Take]] = None, strict: bool = True,
+               transport: Optional[_dist.Transport] = None, group: Any = None) -> "RemoteShardedSubscriber":
+        """An engine rank on another node than the trainer ranks
+        (:class:`RemoteShardedSubscriber`): a collective with every trainer
+        rank's :meth:`ShardedPublisher.send_to`."""
+        return RemoteShardedSubscriber(into, trainers=trainers, engines=engines, wants=wants, strict=strict,
+                                       transport=transport, group=group)
 
 
 class RemoteShardedSubscriber:
