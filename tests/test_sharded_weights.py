@@ -217,3 +217,35 @@ def test_remote_sharded_pull_over_nccl_on_two_gpus():
             peer.start_call(sh.group_rank, url, r, 2, role, 0, [0], [1], "tp", 3, torch.float32, "nccl", f"cuda:{r}")
         results = [p.result() for p in peers]
         assert results[0] == 3 and sum(results[1][0]) > 0
+
+
+def _remote_pair(hub, before: int):
+    """Trainer 0 (that published `before` versions locally first), trainer 1, one engine; all set up."""
+    from torch_ipc.weights import ShardedPublisher, ShardedSubscriber
+
+    pubs = [ShardedPublisher(sh.trainer_shards(sh.full_model(0), "tp", i, 2), rank=i) for i in range(2)]
+    for _ in range(before):
+        pubs[0].publish()
+    model = sh.engine_model(0, 1)
+    fns = [lambda i=i: pubs[i].send_to(trainers=[0, 1], engines=[2], transport=hub.transport(i)) for i in range(2)]
+    fns.append(lambda: ShardedSubscriber.remote(model, trainers=[0, 1], engines=[2], wants=sh.engine_wants(0, 1),
+                                                transport=hub.transport(2)))
+    return pubs, th.run_ranks(fns)[2]
+
+
+def test_an_engine_refuses_trainer_ranks_that_send_different_versions():
+    pubs, sub = _remote_pair(th.Hub(3), before=1)
+    assert [p.publish() for p in pubs] == [2, 1]  # sends are buffered on the in-memory transport
+    with pytest.raises(ValueError, match="out of step"):
+        sub.pull()
+
+
+def test_a_failed_send_is_a_broadcast_error_and_later_versions_stay_local():
+    from torch_ipc.weights import BroadcastError
+
+    hub = th.Hub(3)
+    pubs, sub = _remote_pair(hub, before=0)
+    pubs[0]._sender.transport.batch = lambda ops: (_ for _ in ()).throw(ConnectionError("peer gone"))
+    with pytest.raises(BroadcastError, match="published on this node.*peer gone"):
+        pubs[0].publish()
+    assert pubs[0].publish() == 2 and pubs[0]._sender is None

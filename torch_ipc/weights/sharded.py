@@ -45,6 +45,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 
 from .. import _dist
+from ._errors import BroadcastError
 from ._layout import typed_view
 from ._shard_layout import LocalShard, Take, describe_shards, shards_message
 from ._shard_local import LocalShards
@@ -123,7 +124,14 @@ class ShardedPublisher(_Closing):
         remote engine ranks); returns its number."""
         version = self._publisher.publish()
         if self._sender is not None:
-            self._sender.send(version)
+            try:
+                self._sender.send(version)
+            except Exception as e:
+                self._sender = None
+                raise BroadcastError(
+                    f"torch_ipc.weights: version {version} is published on this node but sending it to the remote "
+                    f"engine ranks failed ({type(e).__name__}: {e}); later versions stay local until send_to() "
+                    "is called with a new group") from e
         return version
 
     def close(self) -> None:
