@@ -249,3 +249,20 @@ def test_a_failed_send_is_a_broadcast_error_and_later_versions_stay_local():
     with pytest.raises(BroadcastError, match="published on this node.*peer gone"):
         pubs[0].publish()
     assert pubs[0].publish() == 2 and pubs[0]._sender is None
+
+
+def test_scalars_and_whole_tensors_are_taken_as_they_are():
+    sources = sources_of([[Held("step", torch.int64, (), ()), Held("b", torch.float32, (4,), ((0, 4),))]])
+    plan = ShardPlan(sources, {"step": torch.zeros((), dtype=torch.int64), "b": torch.zeros(4)}, {})
+    assert sorted(c.name for c in plan.copies) == ["b", "step"]
+
+
+def test_an_engine_wanting_a_slice_twice_is_refused_by_the_trainer():
+    from torch_ipc.weights._shard_layout import wants_from_message
+
+    globals_ = {"w": Held("w", torch.float32, (6, 4), ((0, 6), (0, 4)))}
+    message = {"kind": "torch_ipc.weights.wants/1", "tensors": [["w", [[0, 3], [0, 4]]]] * 2}
+    with pytest.raises(ValueError, match="twice"):
+        wants_from_message(message, globals_)
+    with pytest.raises(ValueError, match="outside"):
+        wants_from_message({**message, "tensors": [["w", [[0, 7], [0, 4]]]]}, globals_)

@@ -35,7 +35,12 @@ collective and a copy to the host then blocks in the driver until the peer
 sends: the current stream of a relay stayed blocked between versions, so
 everything queued on it meanwhile (the export event of a subscriber that
 attaches, which that subscriber's copies wait for) waited for the next
-version too. Polling also lets Ctrl-C interrupt the wait.
+version too: a subscriber that attached between versions found its first
+synchronous CUDA call (a pageable copy) waiting for a version that its
+trainer would publish only after it attached. Polling also lets Ctrl-C
+interrupt the wait. The receive is still a posted collective: the process
+group's timeout (NCCL's watchdog aborts the process at it) must be longer
+than the longest gap between two versions.
 """
 
 # Note [counts from a peer]

@@ -264,14 +264,22 @@ def parts_of(dest_name: str, dest: torch.Tensor, take: Take, globals_: Mapping[s
             problems.append(f"{dest_name}: {e}")
             return []
         shape = box_shape(box)
-        if len(shape) != dest.dim() or not 0 <= take.cat_dim < dest.dim():
+        fused = len(take.names()) > 1
+        if len(shape) != dest.dim() or (fused and not 0 <= take.cat_dim < dest.dim()):
             problems.append(f"shape mismatch: {dest_name}: engine {tuple(dest.shape)}, {n}'s slice {shape}")
             return []
         at = [slice(0, s) for s in shape]
-        at[take.cat_dim] = slice(offset, offset + shape[take.cat_dim])
-        offset += shape[take.cat_dim]
+        if fused:
+            at[take.cat_dim] = slice(offset, offset + shape[take.cat_dim])
+            offset += shape[take.cat_dim]
         shapes.append(shape)
         parts.append(Part(n, box, tuple(at)))
+    if len(parts) == 1:  # one source, any rank (a scalar too): its slice is the engine tensor
+        if shapes[0] != tuple(dest.shape):
+            problems.append(f"shape mismatch: {dest_name}: engine {tuple(dest.shape)}, published "
+                            f"{parts[0].name}'s slice {shapes[0]}")
+            return []
+        return parts
     want = list(shapes[0])
     want[take.cat_dim] = offset
     others_agree = all(s[:take.cat_dim] + s[take.cat_dim + 1:] == shapes[0][:take.cat_dim] +
@@ -301,7 +309,7 @@ def wants_from_message(message: Any, globals_: Mapping[str, Held]) -> List[Tuple
     items = message.get("tensors")
     if not isinstance(items, list) or len(items) > MAX_TENSORS:
         raise ValueError("torch_ipc.weights: an engine rank's wants are not a list, or too long")
-    out = []
+    out, seen = [], set()
     for item in items:
         ok = isinstance(item, list) and len(item) == 2 and item[0] in globals_ and isinstance(item[1], list) \
             and len(item[1]) == len(globals_[item[0]].global_shape) and all(_int_list(p, 2) for p in item[1])
@@ -310,5 +318,8 @@ def wants_from_message(message: Any, globals_: Mapping[str, Held]) -> List[Tuple
         box = tuple((a, b) for a, b in item[1])
         if not all(0 <= a <= b <= g for (a, b), g in zip(box, globals_[item[0]].global_shape)):
             raise ValueError(f"torch_ipc.weights: an engine rank wants {item[0]}{box}, outside its global shape")
+        if (item[0], box) in seen:
+            raise ValueError(f"torch_ipc.weights: an engine rank wants {item[0]}{box} twice")
+        seen.add((item[0], box))
         out.append((item[0], box))
     return out

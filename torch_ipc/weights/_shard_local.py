@@ -71,14 +71,14 @@ class LocalShards:
                     raise ValueError(f"torch_ipc.weights: two sources are trainer rank {rank}")
                 held_by_rank[rank] = held
                 self.subs.append(Subscriber(conn, timeout=timeout))
+            if sorted(held_by_rank) != list(range(len(sources))):
+                raise ValueError(f"torch_ipc.weights: the sources are trainer ranks {sorted(held_by_rank)}, not "
+                                 f"0..{len(sources) - 1}")
+            self.sources = sources_of([held_by_rank[r] for r in range(len(sources))])
         except BaseException:
             self.close()
             raise
-        if sorted(held_by_rank) != list(range(len(sources))):
-            raise ValueError(f"torch_ipc.weights: the sources are trainer ranks {sorted(held_by_rank)}, not "
-                             f"0..{len(sources) - 1}")
-        self.ranks = [r for r in held_by_rank]  # self.subs[i] is trainer rank self.ranks[i]
-        self.sources = sources_of([held_by_rank[r] for r in range(len(sources))])
+        self.ranks = list(held_by_rank)  # self.subs[i] is trainer rank self.ranks[i]
         self.views: Dict[int, Dict[str, torch.Tensor]] = {}
         for rank, sub in zip(self.ranks, self.subs):
             layout = sub._share.layout
