@@ -266,3 +266,19 @@ def test_an_engine_wanting_a_slice_twice_is_refused_by_the_trainer():
         wants_from_message(message, globals_)
     with pytest.raises(ValueError, match="outside"):
         wants_from_message({**message, "tensors": [["w", [[0, 7], [0, 4]]]]}, globals_)
+
+
+def test_a_remote_engine_that_does_not_fit_is_refused_and_the_group_stays_in_step():
+    """The engine raises WeightsMismatchError after telling the trainers it
+    wants nothing, so their send_to() returns and they publish on."""
+    from torch_ipc.weights import ShardedPublisher, ShardedSubscriber
+
+    hub = th.Hub(3)
+    pubs = [ShardedPublisher(sh.trainer_shards(sh.full_model(0), "tp", i, 2), rank=i) for i in range(2)]
+    model = dict(sh.engine_model(0, 1), norm=torch.zeros(7))
+    fns = [lambda i=i: pubs[i].send_to(trainers=[0, 1], engines=[2], transport=hub.transport(i)) for i in range(2)]
+    fns.append(lambda: ShardedSubscriber.remote(model, trainers=[0, 1], engines=[2], wants=sh.engine_wants(0, 1),
+                                                transport=hub.transport(2)))
+    with pytest.raises(WeightsMismatchError, match="shape mismatch: norm"):
+        th.run_ranks(fns)
+    assert [p.publish() for p in pubs] == [1, 1]
