@@ -94,7 +94,8 @@ def engine_model(cfg, rank, world, device):
     hr, fr = h1 - h0, f1 - f0
     model = {}
     for i in range(cfg["layers"]):
-        model.update({f"l{i}.qkv": (3 * hr, h), f"l{i}.gate_up": (2 * fr, h), f"l{i}.o": (h, hr), f"l{i}.down": (h, fr)})
+        model.update({f"l{i}.qkv": (3 * hr, h), f"l{i}.gate_up": (2 * fr, h), f"l{i}.o": (h, hr),
+                      f"l{i}.down": (h, fr)})
     return {n: torch.empty(s, dtype=cfg["dtype"], device=device) for n, s in model.items()}
 
 
@@ -176,7 +177,6 @@ def _gather_publish(cfg, shards, full, colocated, world):
 
 
 def one_node_engine(cfg, rank, world, trainers, address, key, barrier, out):
-    import torch_ipc
     from torch_ipc.weights import ShardedSubscriber, Subscriber
 
     torch.set_num_threads(1)

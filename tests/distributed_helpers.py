@@ -10,10 +10,9 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
+from weights_helpers import HELD, bits, make_weights
 
 from torch_ipc.weights import BroadcastError, Publisher, PublisherGoneError, Relay
-
-from weights_helpers import HELD, bits, make_weights
 
 STATE: Dict[str, object] = {}
 

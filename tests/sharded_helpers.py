@@ -68,7 +68,8 @@ def engine_expected(full: Dict[str, torch.Tensor], rank: int, world: int, dtype=
 
 
 def engine_model(rank: int, world: int, dtype=torch.float32, device: str = "cpu"):
-    return {n: torch.zeros_like(t, device=device) for n, t in engine_expected(full_model(0), rank, world, dtype).items()}
+    want = engine_expected(full_model(0), rank, world, dtype)
+    return {n: torch.zeros_like(t, device=device) for n, t in want.items()}
 
 
 def _on(shards, device: str):
@@ -131,9 +132,9 @@ def trainer_close() -> None:
 
 
 def engine_attach(addresses, authkey: bytes, rank: int, world: int, dtype=torch.float32, device: str = "cpu") -> int:
-    from torch_ipc.weights import ShardedSubscriber
-
     from weights_helpers import Connector
+
+    from torch_ipc.weights import ShardedSubscriber
 
     if device != "cpu":
         torch.cuda.set_device(torch.device(device))
@@ -217,12 +218,11 @@ def _placement(name: str):
 
 def dtensor_trainer_serve(url: str, address, authkey: bytes, rank: int, world: int, engines: int) -> int:
     """A TP trainer rank whose weights are DTensors on a CPU mesh over gloo."""
+    from distributed_helpers import init_group
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
     from torch_ipc.weights import ShardedPublisher
-
-    from distributed_helpers import init_group
 
     init_group(url, rank, world)
     mesh = init_device_mesh("cpu", (world,))

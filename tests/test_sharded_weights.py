@@ -2,18 +2,17 @@
 trainer ranks publish their shards, engine ranks of another tensor-parallel
 layout pull exactly their slices, bit for bit, never mixing versions."""
 
+import distributed_helpers as dh
 import pytest
+import sharded_helpers as sh
 import torch
+import transport_helpers as th
+import weights_helpers as wh
 
 from torch_ipc.testing import PeerGroup
 from torch_ipc.weights import LocalShard, Take, WeightsMismatchError
 from torch_ipc.weights._shard_layout import Held, chunk_range, describe_shards, sources_of
 from torch_ipc.weights._shard_plan import ShardPlan, buckets
-
-import distributed_helpers as dh
-import sharded_helpers as sh
-import transport_helpers as th
-import weights_helpers as wh
 
 TIMEOUT = 90.0
 

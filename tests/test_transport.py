@@ -5,15 +5,14 @@ bounded before anything is built from them (Note [counts from a peer])."""
 
 import time
 
+import distributed_helpers as dh
 import pytest
 import torch
+import transport_helpers as th
+import weights_helpers as wh
 
 from torch_ipc import _dist
 from torch_ipc.testing import PeerGroup
-
-import distributed_helpers as dh
-import transport_helpers as th
-import weights_helpers as wh
 
 
 def test_the_torch_distributed_transport_and_the_test_one_fit_the_protocol():

@@ -6,11 +6,10 @@ each new version at memory speed.
     >>> pub.attach(conn)                           # sub = Subscriber(conn)  # doctest: +SKIP
     >>> opt.step(); pub.publish()                  # sub.pull(into=model)    # doctest: +SKIP
 
-See the README section "Sharing weights between a trainer and an inference
-engine" and Note [weights consistency protocol] in _control.py; for other
-nodes, "Across machines" and Note [relaying weights to other nodes] in relay.py;
-for trainers and engines of several ranks, docs/sharded-weights.md and Note
-[sharded weights] in sharded.py.
+See docs/weights.md and Note [weights consistency protocol] in _control.py;
+for other nodes, docs/across-machines.md and Note [relaying weights to other
+nodes] in relay.py; for trainers and engines of several ranks,
+docs/sharded-weights.md and Note [sharded weights] in sharded.py.
 """
 
 from ._errors import BroadcastError, PublisherGoneError, WeightsMismatchError
@@ -19,4 +18,5 @@ from .relay import Relay
 from .sharded import LocalShard, ShardedPublisher, ShardedSubscriber, Take
 from .subscriber import Subscriber
 
-__all__ = ["Publisher", "Subscriber", "Relay", "ShardedPublisher", "ShardedSubscriber", "Take", "LocalShard", "PublisherGoneError", "WeightsMismatchError", "BroadcastError"]
+__all__ = ["Publisher", "Subscriber", "Relay", "ShardedPublisher", "ShardedSubscriber", "Take", "LocalShard",
+           "PublisherGoneError", "WeightsMismatchError", "BroadcastError"]

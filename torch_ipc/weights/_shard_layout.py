@@ -129,7 +129,8 @@ def describe_shards(source: Mapping[str, Any]) -> Tuple[Dict[str, torch.Tensor],
             local = local.detach()
             bad = [f"{a}:{b}" for (a, b), g in zip(h.box, h.global_shape) if not 0 <= a <= b <= g]
             if bad:
-                raise ValueError(f"torch_ipc.weights: {name}'s slice {bad} is outside its global shape {h.global_shape}")
+                raise ValueError(f"torch_ipc.weights: {name}'s slice {bad} is outside its global shape "
+                                 f"{h.global_shape}")
             tensors[name] = local
             held.append(h)
     if not tensors:

@@ -9,8 +9,20 @@ import torch
 from .. import _dist
 from ._copy import BatchedCopy
 from ._layout import typed_view
-from ._shard_layout import (Box, Held, Part, Take, held_from_message, intersect, relative, shards_message,
-                            sources_of, volume, wants_from_message, wants_message)
+from ._shard_layout import (
+    Box,
+    Held,
+    Part,
+    Take,
+    held_from_message,
+    intersect,
+    relative,
+    shards_message,
+    sources_of,
+    volume,
+    wants_from_message,
+    wants_message,
+)
 from ._shard_plan import Piece, ShardPlan, buckets, landing, pair_boxes
 
 MAGIC = 0x7368_6172_6473_0001  # "shards" and message version 1
@@ -212,8 +224,9 @@ class Receiver:
         version = got[0][1]
         for (magic, v, n), plan, rank in zip(got, self.plans, self.trainers):
             if magic != MAGIC or v != version or v <= self.version or n != len(plan):
-                raise ValueError(f"torch_ipc.weights: trainer {rank} sent header {[magic, v, n]} (expected "
-                                 f"version {version} > {self.version} in {len(plan)} buckets); the group is out of step")
+                raise ValueError(f"torch_ipc.weights: trainer {rank} sent header {[magic, v, n]} (expected version "
+                                 f"{version} > {self.version} in {len(plan)} buckets); the group is out of step")
+
         def post(k: int) -> List[Any]:
             ops = []
             for i, plan in enumerate(self.plans):
