@@ -10,10 +10,9 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
+from weights_helpers import HELD, bits, make_weights
 
 from torch_ipc.weights import BroadcastError, Publisher, PublisherGoneError, Relay
-
-from weights_helpers import HELD, bits, make_weights
 
 STATE: Dict[str, object] = {}
 
@@ -26,8 +25,11 @@ def group_url() -> str:
 def init_group(url: str, rank: int, world: int, backend: str = "gloo") -> None:
     """Join the group at `url`, leaving the one joined before (a broken one)."""
     leave_group()
+    # NCCL's watchdog aborts the process at its timeout: longer than the tests'
+    # PeerGroup timeout (90 s), so that a hang shows every child's stacks.
+    seconds = 150 if "nccl" in backend else 30
     dist.init_process_group(backend, init_method=url, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+                            timeout=datetime.timedelta(seconds=seconds))
 
 
 def leave_group() -> None:
@@ -218,3 +220,70 @@ def kv_free(ids: List[int]) -> None:
 def kv_close() -> None:
     STATE.pop("pool").close()
     leave_group()
+
+
+# ----------------------------------------------------------------------------- hostile peers (raw torch.distributed)
+
+def _limit_memory(extra_bytes: int = 1 << 30) -> None:
+    """Cap this process's address space at what it maps now plus `extra_bytes`:
+    a receiver that expands a peer's counts fails with MemoryError, fast."""
+    import resource
+
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + extra_bytes, resource.RLIM_INFINITY))
+
+
+def _raw_json_bytes(obj) -> torch.Tensor:
+    import json
+
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+
+
+def hostile_layout(url: str, message) -> None:
+    """Rank 0: broadcast `message` as a weights layout (length, then the JSON), as a Publisher would."""
+    init_group(url, 0, 2)
+    data = _raw_json_bytes(message)
+    dist.broadcast(torch.tensor([data.numel()], dtype=torch.int64), src=0)
+    dist.broadcast(data, src=0)
+
+
+def hostile_kv_header(url: str, header, pieces: int, piece_bytes: int) -> None:
+    """Rank 0: send `header` as a KV blocks header, then `pieces` pieces, then leave."""
+    init_group(url, 0, 2)
+    data = _raw_json_bytes(header)
+    first = torch.zeros(4096, dtype=torch.uint8)
+    first[:8] = torch.tensor([data.numel()], dtype=torch.int64).view(torch.uint8)
+    first[8 : 8 + data.numel()] = data
+    dist.send(first, 1)
+    for _ in range(pieces):
+        dist.send(torch.zeros(piece_bytes, dtype=torch.uint8), 1)
+    leave_group()  # the receiver's next receive fails
+
+
+def victim_relay(url: str):
+    """Rank 1 under a memory cap: construct a Relay; (error type, message)."""
+    init_group(url, 1, 2)
+    _limit_memory()
+    try:
+        Relay(src=0)
+    except BaseException as e:  # noqa: B902 - MemoryError is the defect this reports
+        return type(e).__name__, str(e)[:300]
+    return None, ""
+
+
+def victim_kv(url: str, shape, dtype):
+    """Rank 1 under a memory cap: recv_blocks into a pool of 4 blocks; (error type, message, held)."""
+    from torch_ipc.kv import SharedKVPool
+    from torch_ipc.kv.remote import recv_blocks
+
+    init_group(url, 1, 2)
+    pool = SharedKVPool(4, shape, dtype)
+    _limit_memory()
+    try:
+        recv_blocks(pool, 0)
+    except BaseException as e:  # noqa: B902 - MemoryError is the defect this reports
+        return type(e).__name__, str(e)[:300], pool.held()
+    finally:
+        _limit_memory(1 << 40)
+    return None, "", pool.held()

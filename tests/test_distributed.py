@@ -212,7 +212,7 @@ def test_kv_headers_are_checked_field_by_field():
     try:
         good = {"kind": "torch_ipc.kv.blocks/2", "n": 5, "pieces": [[2, 2], [1, 1]], "shape": list(SHAPE),
                 "dtype": str(DTYPE), "meta": None}
-        assert _check_header(pool, good) == (5, [2, 2, 1], pool.block_bytes, None)
+        assert _check_header(pool, good) == (5, [(2, 2), (1, 1)], pool.block_bytes, None)
         assert "bfloat16" in _check_header(pool, {**good, "dtype": "torch.bfloat16"})[3]  # refused after draining
         huge = MAX_PIECE_BYTES // pool.block_bytes + 1
         for bad, match in [

@@ -35,6 +35,7 @@ from .errors import (
     WeightsOnlyError,
 )
 from .ipc_event import IpcEvent
+from ._dist import DistTransport, Transport
 from .pool import SharedPool
 from . import kv  # noqa: E402  (torch_ipc.kv.SharedKVPool)
 from . import weights  # torch_ipc.weights.Publisher / Subscriber
@@ -60,6 +61,8 @@ __all__ = [
     "Pipe",
     "SharedPool",
     "IpcEvent",
+    "Transport",
+    "DistTransport",
     "DescriptorError",
     "CudaError",
     "CudaUnavailableError",

@@ -1,29 +1,67 @@
-"""Bytes between nodes: the one module that calls torch.distributed.
+"""Bytes between nodes: the Transport seam and its torch.distributed implementation.
 
-Weights relays (torch_ipc/weights/relay.py) and KV blocks across nodes
+Weights relays (torch_ipc/weights/relay.py), sharded weights across nodes
+(torch_ipc/weights/_shard_remote.py) and KV blocks across nodes
 (torch_ipc/kv/remote.py) move tensors and small JSON messages through a
 :class:`Transport`; nothing else in torch_ipc talks to another node.
 
 Note [cross-node transport]
-torch_ipc moves bulk data between nodes only through torch.distributed
-(NCCL for CUDA tensors, gloo for CPU ones, or CUDA tensors over gloo). Every
-transfer is one of three calls: ``broadcast`` of a contiguous byte range from
-one rank to a group, and ``send`` / ``recv`` of one between two ranks, each
-returning something to ``wait()`` on, plus small JSON messages built on them.
-Another engine (NIXL, Mooncake's transfer engine, UCX) plugs in here, behind
-the same three calls: it would register the long-lived buffers once (a
-relay's snapshot or staging halves, a KV pool's chunks) and turn ``send`` /
-``recv`` into one-sided writes or reads of those ranges, so a KV transfer
-could skip the staging buffer altogether. Control (versions, ids, layouts)
-travels as JSON, never pickle: a process group is not authenticated.
+A Transport is the six calls below, and nothing else: ``broadcast`` of a
+contiguous tensor from one rank to the group, ``send`` / ``recv`` of one
+between two ranks and ``batch`` (several sends and receives started
+together, NCCL's batch_isend_irecv), each returning something to ``wait()``
+on; ``check_device`` (which tensors it moves) and ``through_host`` (whether a
+CUDA tensor is staged in host memory, so callers bound their staging);
+``rank`` and ``control_device`` (where small control tensors live). The
+small messages (int64 headers, JSON layouts) are built on those calls by the
+functions of this module, the same for every transport, and every count a
+peer sends is bounded before anything is allocated from it. The default,
+:class:`DistTransport`, is torch.distributed over a process group (NCCL for
+CUDA tensors, gloo for CPU ones, or CUDA tensors over gloo). Another engine
+(NIXL, Mooncake's transfer engine, UCX) implements the same calls: it would
+register the long-lived buffers once (a relay's snapshot, a KV pool's
+chunks, a trainer's shards) and turn ``send`` / ``recv`` into one-sided
+writes or reads of those ranges; tests/transport_helpers.py has one over
+queues between threads, on which the weights and KV protocols run unchanged.
+Control (versions, ids, layouts) travels as JSON, never pickle: a process
+group is not authenticated.
+
+Note [waiting for a control message]
+A control message (a version header, a layout) may not come for a long time:
+a relay waits for the trainer's next version. Its receive is polled
+(``is_completed``, sleeping up to 1 ms; CUDA tensors, i.e. NCCL) and waited for only once it
+completed. With NCCL, ``wait()`` makes the current stream wait for the
+collective and a copy to the host then blocks in the driver until the peer
+sends: the current stream of a relay stayed blocked between versions, so
+everything queued on it meanwhile (the export event of a subscriber that
+attaches, which that subscriber's copies wait for) waited for the next
+version too: a subscriber that attached between versions found its first
+synchronous CUDA call (a pageable copy) waiting for a version that its
+trainer would publish only after it attached. Polling also lets Ctrl-C
+interrupt the wait. The receive is still a posted collective: the process
+group's timeout (NCCL's watchdog aborts the process at it) must be longer
+than the longest gap between two versions.
 """
 
+# Note [counts from a peer]
+# A process group is not authenticated, and a few hundred bytes of layout or
+# header can announce 2**32 buckets or 2**39 pieces. Every count from a peer
+# is checked against what this receiver can hold before a list, a buffer or
+# a transfer is made of it: a JSON message's length (MAX_MESSAGE_BYTES), a
+# weights layout's entries and buckets (weights/_broadcast.py: MAX_ENTRIES,
+# MAX_BUCKETS, and the snapshot against the device's memory), a KV header's
+# pieces (kv/remote.py: kept as (length, repeat) pairs; listed one by one
+# only once their blocks are allocated here, drained one at a time
+# otherwise), a sharded layout's boxes (weights/_shard_layout.py).
+
 import json
-from typing import Any, Dict, List, Optional
+import time
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-__all__ = ["Transport", "MAX_MESSAGE_BYTES", "dtype_from_name"]
+__all__ = ["Transport", "Work", "DistTransport", "transport_for", "MAX_MESSAGE_BYTES", "dtype_from_name",
+           "broadcast_ints", "broadcast_json", "send_json", "recv_json", "finish"]
 
 MAX_MESSAGE_BYTES = 64 << 20  # a JSON message longer than this is refused before allocating
 
@@ -42,6 +80,141 @@ def dtype_from_name(name: Any) -> Optional[torch.dtype]:
     return _DTYPES.get(name) if isinstance(name, str) else None
 
 
+class Work(Protocol):
+    """A transfer started by a Transport."""
+
+    def wait(self) -> Any:
+        """Return once the transfer is done (CUDA: ordered on the current stream)."""
+
+
+# ("send", tensor, dst) or ("recv", tensor, src): one transfer of Transport.batch
+P2P = Tuple[str, torch.Tensor, int]
+
+
+class Transport(Protocol):
+    """What the cross-node protocols call (Note [cross-node transport]).
+    Ranks are the implementation's own (torch.distributed: global ranks)."""
+
+    rank: int
+    control_device: torch.device  # where small control tensors (headers, JSON) live
+
+    def check_device(self, tensor: torch.Tensor) -> None:
+        """Raise ValueError if this transport cannot move `tensor`'s device."""
+
+    def through_host(self, tensor: torch.Tensor) -> bool:
+        """Whether moving `tensor` stages it in host memory (callers bound how many are in flight)."""
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+        """Start a broadcast of `tensor` from rank `src` to every rank of the group."""
+
+    def send(self, tensor: torch.Tensor, dst: int) -> Work:
+        """Start sending `tensor` to rank `dst`; the caller may reuse it after ``wait()``."""
+
+    def recv(self, tensor: torch.Tensor, src: int) -> Work:
+        """Start receiving into `tensor` from rank `src`."""
+
+    def batch(self, ops: Sequence[P2P]) -> List[Work]:
+        """Start several sends and receives at once (one Work each, in order)."""
+
+
+def transport_for(transport: Optional[Transport], group: Any) -> Transport:
+    """`transport`, or torch.distributed over `group` when it is None."""
+    if transport is None:
+        return DistTransport(group)
+    if group is not None:
+        raise ValueError("torch_ipc: pass a group or a transport, not both")
+    return transport
+
+
+def finish(work: Any, tensor: torch.Tensor) -> None:
+    """Wait for a control transfer of `tensor` without blocking the current
+    stream meanwhile (Note [waiting for a control message]). Only a CUDA
+    tensor's is polled: gloo's point-to-point works report completion only
+    from inside wait()."""
+    is_completed = getattr(work, "is_completed", None)
+    if is_completed is not None and tensor.device.type == "cuda":
+        delay = 0.0
+        while not is_completed():
+            if delay:
+                time.sleep(delay)  # the GIL is free; Ctrl-C raises here
+            delay = min(max(2 * delay, 1e-5), 1e-3)
+    work.wait()
+
+
+# ----------------------------------------------------------------------------- small messages, on any transport
+
+def _int64s(transport: Transport, values: List[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).to(transport.control_device)
+
+
+def broadcast_ints(transport: Transport, values: Optional[List[int]], n: int, src: int) -> List[int]:
+    """``n`` int64s from ``src`` (which passes them) to every rank of the group."""
+    t = _int64s(transport, values if transport.rank == src else [0] * n)
+    finish(transport.broadcast(t, src), t)
+    return list(values) if transport.rank == src else t.tolist()  # the sender does not wait for the GPU
+
+
+def _encode(transport: Transport, obj: Any) -> torch.Tensor:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"torch_ipc: a control message of {len(data)} bytes is over {MAX_MESSAGE_BYTES}")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(transport.control_device)
+
+
+def _buffer(transport: Transport, n: int) -> torch.Tensor:
+    if not 0 <= n <= MAX_MESSAGE_BYTES:
+        raise ValueError(f"torch_ipc: a peer announced a control message of {n} bytes "
+                         f"(at most {MAX_MESSAGE_BYTES})")
+    return torch.empty(n, dtype=torch.uint8, device=transport.control_device)
+
+
+def _decode(t: torch.Tensor) -> Any:
+    try:
+        return json.loads(bytes(t.cpu().numpy().tobytes()).decode())
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"torch_ipc: a peer sent a control message that is not JSON: {e}") from None
+
+
+def broadcast_json(transport: Transport, obj: Any, src: int) -> Any:
+    """``obj`` (JSON-serialisable) from ``src`` to every rank; others pass None."""
+    data = _encode(transport, obj) if transport.rank == src else None
+    (n,) = broadcast_ints(transport, [data.numel()] if data is not None else None, 1, src)
+    if data is None:
+        data = _buffer(transport, n)
+    finish(transport.broadcast(data, src), data)
+    return obj if transport.rank == src else _decode(data)
+
+
+# One message of FIRST_BYTES carries the length and the start of a JSON
+# message (all of a small one: one round trip, not two); the rest follows.
+FIRST_BYTES = 4096
+
+
+def send_json(transport: Transport, obj: Any, dst: int) -> None:
+    data = _encode(transport, obj)
+    n, room = data.numel(), FIRST_BYTES - 8
+    first = torch.zeros(FIRST_BYTES, dtype=torch.uint8, device=data.device)
+    first[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8).to(data.device)
+    first[8 : 8 + min(n, room)] = data[:room]
+    finish(transport.send(first, dst), first)
+    if n > room:
+        transport.send(data[room:], dst).wait()
+
+
+def recv_json(transport: Transport, src: int) -> Any:
+    first = torch.empty(FIRST_BYTES, dtype=torch.uint8, device=transport.control_device)
+    finish(transport.recv(first, src), first)
+    first = first.cpu()
+    (n,) = first[:8].view(torch.int64).tolist()
+    data, room = _buffer(transport, n), FIRST_BYTES - 8
+    data[: min(n, room)] = first[8 : 8 + min(n, room)].to(data.device)
+    if n > room:
+        transport.recv(data[room:], src).wait()
+    return _decode(data)
+
+
+# ----------------------------------------------------------------------------- torch.distributed
+
 def _dist():
     import torch.distributed as dist
 
@@ -51,9 +224,10 @@ def _dist():
     return dist
 
 
-class Transport:
-    """torch.distributed over ``group`` (None: the default group). Ranks are
-    global ranks, as in torch.distributed's own calls."""
+class DistTransport:
+    """The default :class:`Transport`: torch.distributed over ``group``
+    (None: the default group). Ranks are global ranks, as in
+    torch.distributed's own calls."""
 
     def __init__(self, group: Optional[Any] = None):
         self._dist = _dist()
@@ -63,25 +237,18 @@ class Transport:
         # Small tensors (lengths, headers) on the CPU unless the group only has NCCL.
         self.nccl_only = "nccl" in backend and "gloo" not in backend
         self.backend = backend
-
-    def small_device(self) -> torch.device:
-        if self.nccl_only:
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        self.control_device = torch.device("cuda", torch.cuda.current_device()) if self.nccl_only \
+            else torch.device("cpu")
 
     def check_device(self, tensor: torch.Tensor) -> None:
         if self.nccl_only and tensor.device.type != "cuda":
             raise ValueError(f"torch_ipc: a {self.backend} group moves CUDA tensors only, not {tensor.device} ones; "
                              "use a gloo group for CPU tensors")
 
-    # ------------------------------------------------------------- bulk bytes
-
     def broadcast(self, tensor: torch.Tensor, src: int):
-        """Start a broadcast of ``tensor`` from rank ``src``; returns the work to ``wait()`` on."""
         return self._dist.broadcast(tensor, src=src, group=self.group, async_op=True)
 
     def send(self, tensor: torch.Tensor, dst: int):
-        """Start sending ``tensor`` to rank ``dst``; returns the work to ``wait()`` on."""
         if self.through_host(tensor):
             host = _pinned_like(tensor)
             host.copy_(tensor)  # after the work queued on the current stream; the host waits for it
@@ -89,16 +256,27 @@ class Transport:
         return self._dist.isend(tensor, dst=dst, group=self.group)
 
     def recv(self, tensor: torch.Tensor, src: int):
-        """Start receiving ``tensor`` from rank ``src``; its ``wait()`` returns
-        once the bytes are in ``tensor`` (CUDA: ordered on the current stream)."""
         if self.through_host(tensor):
             host = _pinned_like(tensor)
             return _Staged(self._dist.irecv(host, src=src, group=self.group), host, tensor)
         return self._dist.irecv(tensor, src=src, group=self.group)
 
+    def batch(self, ops: Sequence[P2P]) -> List[Any]:
+        """NCCL: one ``batch_isend_irecv`` (the transfers of one group call
+        go together, no ordering deadlock between pairs); otherwise one
+        isend / irecv each (gloo moves them independently)."""
+        ops = list(ops)
+        for kind, _, _ in ops:
+            if kind not in ("send", "recv"):
+                raise ValueError(f"torch_ipc: a batch holds 'send' and 'recv' transfers, not {kind!r}")
+        if "nccl" not in self.backend or not ops:
+            return [self.send(t, peer) if kind == "send" else self.recv(t, peer) for kind, t, peer in ops]
+        p2p = [self._dist.P2POp(self._dist.isend if kind == "send" else self._dist.irecv, t, peer, self.group)
+               for kind, t, peer in ops]
+        return list(self._dist.batch_isend_irecv(p2p))
+
     def through_host(self, tensor: torch.Tensor) -> bool:
-        """Whether a send or receive of ``tensor`` is staged in host memory.
-        Note [CUDA tensors over gloo]: gloo's point-to-point calls take host
+        """Note [CUDA tensors over gloo]: gloo's point-to-point calls take host
         memory only (a CUDA tensor fails with EFAULT), its broadcast takes CUDA
         tensors and stages them itself. A staged piece is copied into page-
         locked memory from torch's caching host allocator (no allocation per
@@ -107,70 +285,6 @@ class Transport:
         the wire while the next piece is being copied; callers bound how many
         staged pieces are in flight (torch_ipc/kv/remote.py keeps two)."""
         return tensor.device.type == "cuda" and "nccl" not in self.backend
-
-    # ------------------------------------------------------------- small messages
-
-    def _int64s(self, values: List[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self.small_device())
-
-    def broadcast_ints(self, values: Optional[List[int]], n: int, src: int) -> List[int]:
-        """``n`` int64s from ``src`` (which passes them) to every rank of the group."""
-        t = self._int64s(values if self.rank == src else [0] * n)
-        self.broadcast(t, src).wait()
-        return list(values) if self.rank == src else t.tolist()  # the sender does not wait for the GPU
-
-    def _encode(self, obj: Any) -> torch.Tensor:
-        data = json.dumps(obj, separators=(",", ":")).encode()
-        if len(data) > MAX_MESSAGE_BYTES:
-            raise ValueError(f"torch_ipc: a control message of {len(data)} bytes is over {MAX_MESSAGE_BYTES}")
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.small_device())
-
-    def _buffer(self, n: int) -> torch.Tensor:
-        if not 0 <= n <= MAX_MESSAGE_BYTES:
-            raise ValueError(f"torch_ipc: a peer announced a control message of {n} bytes "
-                             f"(at most {MAX_MESSAGE_BYTES})")
-        return torch.empty(n, dtype=torch.uint8, device=self.small_device())
-
-    @staticmethod
-    def _decode(t: torch.Tensor) -> Any:
-        try:
-            return json.loads(bytes(t.cpu().numpy().tobytes()).decode())
-        except (UnicodeDecodeError, ValueError) as e:
-            raise ValueError(f"torch_ipc: a peer sent a control message that is not JSON: {e}") from None
-
-    def broadcast_json(self, obj: Any, src: int) -> Any:
-        """``obj`` (JSON-serialisable) from ``src`` to every rank; others pass None."""
-        data = self._encode(obj) if self.rank == src else None
-        (n,) = self.broadcast_ints([data.numel()] if data is not None else None, 1, src)
-        if data is None:
-            data = self._buffer(n)
-        self.broadcast(data, src).wait()
-        return obj if self.rank == src else self._decode(data)
-
-    # One message of FIRST_BYTES carries the length and the start of a JSON
-    # message (all of a small one: one round trip, not two); the rest follows.
-    FIRST_BYTES = 4096
-
-    def send_json(self, obj: Any, dst: int) -> None:
-        data = self._encode(obj)
-        n, room = data.numel(), self.FIRST_BYTES - 8
-        first = torch.zeros(self.FIRST_BYTES, dtype=torch.uint8, device=data.device)
-        first[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8).to(data.device)
-        first[8 : 8 + min(n, room)] = data[:room]
-        self.send(first, dst).wait()
-        if n > room:
-            self.send(data[room:], dst).wait()
-
-    def recv_json(self, src: int) -> Any:
-        first = torch.empty(self.FIRST_BYTES, dtype=torch.uint8, device=self.small_device())
-        self.recv(first, src).wait()
-        first = first.cpu()
-        (n,) = first[:8].view(torch.int64).tolist()
-        data, room = self._buffer(n), self.FIRST_BYTES - 8
-        data[: min(n, room)] = first[8 : 8 + min(n, room)].to(data.device)
-        if n > room:
-            self.recv(data[room:], src).wait()
-        return self._decode(data)
 
 
 def _pinned_like(tensor: torch.Tensor) -> torch.Tensor:
@@ -184,6 +298,9 @@ class _Staged:
 
     def __init__(self, work: Any, host: torch.Tensor, into: Optional[torch.Tensor] = None):
         self._work, self._host, self._into = work, host, into
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
 
     def wait(self) -> bool:
         self._work.wait()

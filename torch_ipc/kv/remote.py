@@ -49,6 +49,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, NamedTuple, Optio
 
 import torch
 
+from .. import _dist
 from .._dist import Transport, dtype_from_name
 from . import LayoutMismatchError, OutOfBlocksError, SharedKVPool
 
@@ -193,6 +194,7 @@ def send_blocks(
     meta: Any = None,
     transfer: bool = True,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
+    transport: Optional[Transport] = None,
 ) -> None:
     """Send the blocks ``ids`` (held by this process) of ``pool`` to the
     process of global rank ``dst`` in ``group``, which calls
@@ -200,6 +202,8 @@ def send_blocks(
     not pickle: a process group is not authenticated). ``transfer``: give
     the blocks back to this pool after the send (default), else keep them.
     ``staging_bytes``: the largest piece (two staging buffers of it at most).
+    ``transport``: another :class:`torch_ipc.Transport` instead of
+    torch.distributed over ``group`` (Note [cross-node transport]).
     See Note [KV blocks across nodes]."""
     ids = [int(i) for i in ids]
     if not ids:
@@ -209,7 +213,7 @@ def send_blocks(
     not_held = set(ids).difference(pool.held())
     if not_held:
         raise ValueError(f"torch_ipc: cannot send block {min(not_held)}: this process does not hold it")
-    transport = Transport(group)
+    transport = _dist.transport_for(transport, group)
     transport.check_device(pool.chunks[0] if pool.chunks else pool.block(ids[0]))
     piece = max(1, min(len(ids), int(staging_bytes) // pool.block_bytes))
     memory = _ChunkRuns(pool)
@@ -221,7 +225,7 @@ def send_blocks(
         json.dumps(header)
     except (TypeError, ValueError) as e:
         raise TypeError(f"torch_ipc: meta must be a JSON value ({e})") from None
-    transport.send_json(header, dst)
+    _dist.send_json(transport, header, dst)
     _send_pieces(transport, pool, memory, ids, lengths, dst)
     if transfer:
         pool.free(ids)  # CUDA: once the current stream, which waited for the sends, gets there
@@ -239,38 +243,47 @@ def _send_pieces(transport: Transport, pool: SharedKVPool, memory: _ChunkRuns, i
     in_flight.drain()
 
 
-def _lengths_from(header: Dict[str, Any], n: int) -> List[int]:
-    """The pieces' lengths of a peer's header, checked: positive, adding up to n."""
+def _pairs_from(header: Dict[str, Any], n: int) -> List[Tuple[int, int]]:
+    """The pieces' lengths of a peer's header as (length, repeat) pairs,
+    checked (positive, adding up to n) without expanding them: a header of a
+    few bytes may announce 2**39 pieces (Note [counts from a peer] in _dist.py)."""
     pairs = header.get("pieces")
     if not (isinstance(pairs, list) and all(isinstance(p, list) and len(p) == 2 and all(type(v) is int and v > 0
                                                                                      for v in p) for p in pairs)
             and sum(repeat for _, repeat in pairs) <= n and sum(length * repeat for length, repeat in pairs) == n):
         raise ValueError(f"torch_ipc: a KV blocks header whose pieces {str(pairs)[:200]} do not add up to {n} "
                          "blocks; the pair is out of step")
+    return [(length, repeat) for length, repeat in pairs]
+
+
+def _expand(pairs: Sequence[Tuple[int, int]]) -> List[int]:
+    """The pieces' lengths, one each: only once their blocks are allocated here (bounded by the pool)."""
     return [length for length, repeat in pairs for _ in range(repeat)]
 
 
-def _check_header(pool: SharedKVPool, header: Any) -> Tuple[int, List[int], int, Optional[str]]:
-    """(blocks, the pieces' lengths, the sender's block bytes, why this pool
-    cannot take them or None) of a peer's header, every field checked."""
+def _check_header(pool: SharedKVPool, header: Any) -> Tuple[int, List[Tuple[int, int]], int, Optional[str]]:
+    """(blocks, the pieces' (length, repeat) pairs, the sender's block bytes,
+    why this pool cannot take them or None) of a peer's header, every field
+    checked."""
     if not isinstance(header, dict) or header.get("kind") != _KIND:
         raise ValueError("torch_ipc: recv_blocks() got something that is not a KV blocks header "
                          f"of this version ({_KIND})")
     n, shape, dtype = header.get("n"), header.get("shape"), header.get("dtype")
     if type(n) is not int or not 0 < n < 2**40:
         raise ValueError(f"torch_ipc: a KV blocks header with n={n!r}; the pair is out of step")
-    if not (isinstance(shape, list) and all(type(d) is int and 0 <= d < 2**40 for d in shape)
+    if not (isinstance(shape, list) and len(shape) <= 16 and all(type(d) is int and 0 < d < 2**40 for d in shape)
             and dtype_from_name(dtype) is not None):
-        raise ValueError(f"torch_ipc: a KV blocks header with shape {shape!r}, dtype {dtype!r}")
-    lengths = _lengths_from(header, n)
+        raise ValueError(f"torch_ipc: a KV blocks header with shape {str(shape)[:200]}, dtype {dtype!r}")
+    pairs = _pairs_from(header, n)
     block_bytes = math.prod(shape) * torch.empty(0, dtype=dtype_from_name(dtype)).element_size()
-    if max(lengths) * block_bytes > max(MAX_PIECE_BYTES, block_bytes):
-        raise ValueError(f"torch_ipc: the sender's pieces of {max(lengths) * block_bytes} bytes are over "
+    longest = max(length for length, _ in pairs)
+    if longest * block_bytes > max(MAX_PIECE_BYTES, block_bytes):
+        raise ValueError(f"torch_ipc: the sender's pieces of {longest * block_bytes} bytes are over "
                          f"{MAX_PIECE_BYTES}; the pair is out of step")
     if shape != list(pool.block_shape) or dtype != str(pool.dtype):
-        return n, lengths, block_bytes, (f"the sender's blocks are {dtype} of shape {tuple(shape)}, "
-                                         f"this pool's {pool.dtype} of shape {pool.block_shape}")
-    return n, lengths, block_bytes, None
+        return n, pairs, block_bytes, (f"the sender's blocks are {dtype} of shape {tuple(shape)}, "
+                                       f"this pool's {pool.dtype} of shape {pool.block_shape}")
+    return n, pairs, block_bytes, None
 
 
 def recv_blocks(
@@ -278,15 +291,17 @@ def recv_blocks(
     src: int,
     *,
     group: Any = None,
+    transport: Optional[Transport] = None,
 ) -> RemoteHandover:
     """Receive blocks that the process of global rank ``src`` sends with
     :func:`send_blocks`: allocate them in ``pool`` (this process holds them
     and frees them) and write them there, ordered on the current stream.
     Raises :class:`LayoutMismatchError` or :class:`OutOfBlocksError` (after
-    draining what was sent, so the pair stays in step)."""
-    transport = Transport(group)
-    header = transport.recv_json(src)
-    n, lengths, block_bytes, mismatch = _check_header(pool, header)
+    draining what was sent, so the pair stays in step). ``transport``: as
+    in :func:`send_blocks`."""
+    transport = _dist.transport_for(transport, group)
+    header = _dist.recv_json(transport, src)
+    n, pairs, block_bytes, mismatch = _check_header(pool, header)
     ids: List[int] = []
     error: Optional[Exception] = LayoutMismatchError(f"torch_ipc: cannot receive KV blocks: {mismatch}") \
         if mismatch else None
@@ -296,10 +311,10 @@ def recv_blocks(
         except OutOfBlocksError as e:
             error = e
     if error is not None:
-        _drain(transport, pool, [length * block_bytes for length in lengths], src)
+        _drain(transport, pool, pairs, block_bytes, src)
         raise error
     try:
-        _receive_pieces(transport, pool, ids, lengths, src)
+        _receive_pieces(transport, pool, ids, _expand(pairs), src)
     except BaseException:
         pool.free(ids)
         raise
@@ -318,9 +333,11 @@ def _receive_pieces(transport: Transport, pool: SharedKVPool, ids: List[int], le
     in_flight.drain()
 
 
-def _drain(transport: Transport, pool: SharedKVPool, sizes: List[int], src: int) -> None:
-    """Receive and drop the pieces of `sizes` bytes (checked in _check_header)
-    that a sender sends and this pool cannot take."""
-    scratch = torch.empty(max(sizes), dtype=torch.uint8, device=pool.device)
-    for size in sizes:
-        transport.recv(scratch[:size], src).wait()
+def _drain(transport: Transport, pool: SharedKVPool, pairs: Sequence[Tuple[int, int]], block_bytes: int,
+           src: int) -> None:
+    """Receive and drop the pieces (checked in _check_header) that a sender
+    sends and this pool cannot take, one at a time, never listing them."""
+    scratch = torch.empty(max(length for length, _ in pairs) * block_bytes, dtype=torch.uint8, device=pool.device)
+    for length, repeat in pairs:
+        for _ in range(repeat):
+            transport.recv(scratch[: length * block_bytes], src).wait()

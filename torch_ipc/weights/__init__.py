@@ -8,12 +8,15 @@ each new version at memory speed.
 
 See docs/weights.md and Note [weights consistency protocol] in _control.py;
 for other nodes, docs/across-machines.md and Note [relaying weights to other
-nodes] in relay.py.
+nodes] in relay.py; for trainers and engines of several ranks,
+docs/sharded-weights.md and Note [sharded weights] in sharded.py.
 """
 
 from ._errors import BroadcastError, PublisherGoneError, WeightsMismatchError
 from .publisher import Publisher
 from .relay import Relay
+from .sharded import LocalShard, ShardedPublisher, ShardedSubscriber, Take
 from .subscriber import Subscriber
 
-__all__ = ["Publisher", "Subscriber", "Relay", "PublisherGoneError", "WeightsMismatchError", "BroadcastError"]
+__all__ = ["Publisher", "Subscriber", "Relay", "ShardedPublisher", "ShardedSubscriber", "Take", "LocalShard",
+           "PublisherGoneError", "WeightsMismatchError", "BroadcastError"]

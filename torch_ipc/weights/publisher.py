@@ -258,7 +258,8 @@ class Publisher:
 
     # ---------------------------------------------------------------- other nodes
 
-    def broadcast_to(self, group=None, *, src: Optional[int] = None, bucket_bytes: int = 64 << 20) -> None:
+    def broadcast_to(self, group=None, *, src: Optional[int] = None, bucket_bytes: int = 64 << 20,
+                     transport=None) -> None:
         """Also send every version from now on to the :class:`Relay` of each
         other node in the ``torch.distributed`` process ``group`` (None: the
         default group); ``src``: this process's global rank (default). A
@@ -267,16 +268,20 @@ class Publisher:
         snapshot in ``bucket_bytes`` pieces after publishing it here; a
         broadcast that fails raises :class:`BroadcastError` and later
         publishes stay local until ``broadcast_to`` is called with a new
-        group. Direct mode only. See Note [relaying weights to other nodes]
-        in relay.py."""
+        group. Direct mode only. ``transport``: another
+        :class:`torch_ipc.Transport` instead of torch.distributed over ``group``
+        (Note [cross-node transport]). See Note [relaying weights to other
+        nodes] in relay.py."""
         self._check_open()
         if self.layout.bucket_bytes:
             raise ValueError("torch_ipc.weights: broadcast_to() needs a direct-mode Publisher "
                              "(it broadcasts from the snapshot)")
+        from .._dist import transport_for
         from ._broadcast import Broadcaster
 
         self._broadcaster = None
-        self._broadcaster = Broadcaster(self._buffer, self.layout, group, src, bucket_bytes, self.version)
+        self._broadcaster = Broadcaster(self._buffer, self.layout, transport_for(transport, group), src,
+                                        bucket_bytes, self.version)
 
     def _broadcast(self, version: int) -> None:
         from ._errors import BroadcastError

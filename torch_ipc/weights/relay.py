@@ -40,7 +40,7 @@ from typing import Any, List, Optional, Union
 
 import torch
 
-from .._dist import Transport
+from .. import _dist
 from . import _broadcast as wire
 from ._errors import BroadcastError
 from ._layout import Layout
@@ -59,6 +59,8 @@ class Relay:
     :meth:`serve` (or :meth:`receive`, one version at a time) receives and
     publishes each version; subscribers on this node attach with
     :meth:`attach` or through :meth:`listen`, and pull as from a Publisher.
+    ``transport``: another :class:`torch_ipc.Transport` instead of
+    torch.distributed over ``group`` (Note [cross-node transport]).
 
     Example::
 
@@ -77,6 +79,7 @@ class Relay:
         bucketed: bool = False,
         max_subscribers: int = 8,
         timeout: float = 60.0,
+        transport: Optional[_dist.Transport] = None,
     ):
         self._device = None if device is None else torch.device(device)
         self._bucketed = bool(bucketed)
@@ -88,18 +91,18 @@ class Relay:
         self._listener = None
         self._publisher: Optional[Publisher] = None
         self._closed = False
-        self._join(group, src)
+        self._join(_dist.transport_for(transport, group), src)
 
     # ---------------------------------------------------------------- the group
 
-    def _join(self, group: Any, src: int) -> None:
-        transport = Transport(group)
+    def _join(self, transport: _dist.Transport, src: int) -> None:
         src = int(src)
         if src == transport.rank:
             raise ValueError(f"torch_ipc.weights: a Relay receives from the publisher's rank; src={src} is its own")
-        layout, bucket, device_type, _ = wire.layout_from_message(transport.broadcast_json(None, src))
+        layout, bucket, device_type, _ = wire.layout_from_message(_dist.broadcast_json(transport, None, src))
         device = self._device or (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
                                   else torch.device("cpu"))
+        wire.check_fits(layout.total_bytes, device)
         local = Layout.build([(e.name, e.dtype, e.shape) for e in layout.entries], bucket if self._bucketed else 0)
         self._transport, self.src, self._ranges = transport, src, wire.buckets(layout.total_bytes, bucket)
         with self._lock:
@@ -108,12 +111,12 @@ class Relay:
                                                               timeout=self.timeout))
         self._transport.check_device(self._publisher._buffer)
 
-    def rejoin(self, group: Any = None, src: int = 0) -> None:
+    def rejoin(self, group: Any = None, src: int = 0, *, transport: Optional[_dist.Transport] = None) -> None:
         """Join a new group after the old one broke (a member died): a
         collective with the trainer's ``broadcast_to(group)``. The local
         publisher and its subscribers stay when the layout is the same."""
         self._check_open()
-        self._join(group, src)
+        self._join(_dist.transport_for(transport, group), src)
 
     def _replace_publisher(self, publisher: Publisher) -> None:
         old, self._publisher = self._publisher, publisher
@@ -178,7 +181,7 @@ class Relay:
         last complete version; see :meth:`rejoin`)."""
         self._check_open()
         try:
-            magic, kind, version, total = self._transport.broadcast_ints(None, wire.HEADER_WORDS, self.src)
+            magic, kind, version, total = _dist.broadcast_ints(self._transport, None, wire.HEADER_WORDS, self.src)
         except Exception as e:
             raise self._broken(e) from e
         layout = self._publisher.layout

@@ -1,0 +1,252 @@
+"""A small transformer-shaped model (uneven sizes), the trainer and engine
+layouts the sharded-weights tests use, and the functions their child
+processes run."""
+
+import os
+import time
+from typing import Dict, List
+
+import torch
+
+import torch_ipc
+from torch_ipc.weights import LocalShard, Take
+from torch_ipc.weights._shard_layout import chunk_range
+
+HELD: Dict[str, object] = {}
+
+SHAPES = {"embed": (11, 6), "q": (10, 6), "k": (6, 6), "v": (6, 6), "o": (6, 10), "gate": (14, 6), "up": (14, 6),
+          "down": (6, 14), "norm": (6,)}
+COLUMN, ROW = ("q", "k", "v", "gate", "up", "embed"), ("o", "down")
+
+
+def full_model(version: int) -> Dict[str, torch.Tensor]:
+    """Version `version` of the global model: random values of its own seed."""
+    gen = torch.Generator().manual_seed(1000 + version)
+    return {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+
+
+def _cut(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    lo, hi = chunk_range(t.shape[dim], rank, world)
+    return t.narrow(dim, lo, hi - lo)
+
+
+def trainer_shards(full: Dict[str, torch.Tensor], layout: str, rank: int, world: int):
+    """{name: LocalShard} of trainer `rank`: "tp" (column/row parallel, norm on
+    rank 0 only) or "fsdp" (every tensor cut along dim 0)."""
+    out = {}
+    for name, t in full.items():
+        if layout == "fsdp" or name in COLUMN:
+            dim = 0
+        elif name in ROW:
+            dim = 1
+        else:
+            if rank == 0:
+                out[name] = t.clone()  # replicated: published once
+            continue
+        lo, _ = chunk_range(t.shape[dim], rank, world)
+        offsets = [0] * t.dim()
+        offsets[dim] = lo
+        out[name] = LocalShard(_cut(t, dim, rank, world).clone(), tuple(t.shape), tuple(offsets))
+    return out
+
+
+def engine_wants(rank: int, world: int) -> Dict[str, Take]:
+    split0, split1 = (0, rank, world), (1, rank, world)
+    return {"qkv": Take(["q", "k", "v"], split=split0), "gate_up": Take(["gate", "up"], split=split0),
+            "o_proj": Take("o", split=split1), "down": Take("down", split=split1), "embed": Take("embed", split=split0),
+            "norm": Take("norm")}
+
+
+def engine_expected(full: Dict[str, torch.Tensor], rank: int, world: int, dtype=torch.float32):
+    """What engine TP rank `rank` of `world` must hold of `full`."""
+    def c(name, dim):
+        return _cut(full[name], dim, rank, world)
+
+    out = {"qkv": torch.cat([c("q", 0), c("k", 0), c("v", 0)]), "gate_up": torch.cat([c("gate", 0), c("up", 0)]),
+           "o_proj": c("o", 1), "down": c("down", 1), "embed": c("embed", 0), "norm": full["norm"]}
+    return {n: t.to(dtype) for n, t in out.items()}
+
+
+def engine_model(rank: int, world: int, dtype=torch.float32, device: str = "cpu"):
+    want = engine_expected(full_model(0), rank, world, dtype)
+    return {n: torch.zeros_like(t, device=device) for n, t in want.items()}
+
+
+def _on(shards, device: str):
+    """The shards on `device` (a CUDA device: GPU tests)."""
+    if device == "cpu":
+        return shards
+    return {n: LocalShard(s.tensor.to(device), s.global_shape, s.offsets) if isinstance(s, LocalShard) else s.to(device)
+            for n, s in shards.items()}
+
+
+def mismatched(model, expected) -> List[str]:
+    if next(iter(model.values())).is_cuda:
+        torch.cuda.synchronize()
+    return [n for n in expected if not torch.equal(model[n].cpu(), expected[n])]
+
+
+def _set_version(shards, layout: str, rank: int, world: int, version: int) -> None:
+    for name, new in trainer_shards(full_model(version), layout, rank, world).items():
+        old = shards[name]
+        (old.tensor if isinstance(old, LocalShard) else old).copy_(new.tensor if isinstance(new, LocalShard) else new)
+
+
+# ----------------------------------------------------------------------------- one node: child processes
+
+def _attach_and_publish(pub, address, authkey: bytes, engines: int) -> int:
+    """Attach `engines` engine ranks connecting at `address`, publish version 1."""
+    with torch_ipc.listen(address, authkey=authkey) as listener:
+        for _ in range(engines):
+            conn = listener.accept()
+            pub.attach(conn)
+            HELD["conns"].append(conn)
+    return pub.publish()
+
+
+def trainer_serve(address, authkey: bytes, rank: int, world: int, layout: str, engines: int,
+                  device: str = "cpu") -> int:
+    from torch_ipc.weights import ShardedPublisher
+
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
+    shards = _on(trainer_shards(full_model(1), layout, rank, world), device)
+    pub = ShardedPublisher(shards, rank=rank)
+    HELD.update(pub=pub, shards=shards, layout=layout, rank=rank, world=world, conns=[])
+    return _attach_and_publish(pub, address, authkey, engines)
+
+
+def trainer_publish(last: int, pause_s: float = 0.0) -> int:
+    pub = HELD["pub"]
+    while pub.version < last:
+        _set_version(HELD["shards"], HELD["layout"], HELD["rank"], HELD["world"], pub.version + 1)
+        pub.publish()
+        time.sleep(pause_s)
+    return pub.version
+
+
+def trainer_close() -> None:
+    HELD.pop("pub").close()
+    for conn in HELD.pop("conns"):
+        conn.close()
+
+
+def engine_attach(addresses, authkey: bytes, rank: int, world: int, dtype=torch.float32, device: str = "cpu") -> int:
+    from weights_helpers import Connector
+
+    from torch_ipc.weights import ShardedSubscriber
+
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
+    conns = [Connector(a, authkey, wait=30.0)() for a in addresses]
+    HELD.update(sub=ShardedSubscriber(conns, wants=engine_wants(rank, world)),
+                model=engine_model(rank, world, dtype, device),
+                rank=rank, world=world, dtype=dtype, conns=conns)
+    return os.getpid()
+
+
+def engine_pull_until(last: int, timeout: float = 60.0) -> List[int]:
+    """Pull until version `last`; every version pulled must be that version of
+    the full model, sliced, bit for bit (no mixed versions)."""
+    sub, model, seen = HELD["sub"], HELD["model"], []
+    version = 0
+    while version < last:
+        version = sub.pull(model, newer_than=version, timeout=timeout)
+        want = engine_expected(full_model(version), HELD["rank"], HELD["world"], HELD["dtype"])
+        bad = mismatched(model, want)
+        if bad:
+            raise AssertionError(f"version {version} pulled wrong or mixed: {bad}")
+        seen.append(version)
+    return seen
+
+
+def engine_close() -> None:
+    HELD.pop("sub").close()
+    for conn in HELD.pop("conns"):
+        conn.close()
+
+
+# ----------------------------------------------------------------------------- across nodes
+
+def remote_rank(transport, role: str, index: int, trainers, engines, layout: str, versions: int, dtype=torch.float32,
+                bucket_bytes: int = 512, device: str = "cpu"):
+    """One rank of the remote protocol (any transport): a trainer publishes
+    versions 1..`versions`; an engine pulls each and checks it bit for bit."""
+    from torch_ipc.weights import ShardedPublisher, ShardedSubscriber
+
+    if role == "trainer":
+        shards = _on(trainer_shards(full_model(0), layout, index, len(trainers)), device)
+        pub = ShardedPublisher(shards, rank=index)
+        pub.send_to(trainers=trainers, engines=engines, transport=transport, bucket_bytes=bucket_bytes)
+        for v in range(1, versions + 1):
+            _set_version(shards, layout, index, len(trainers), v)
+            pub.publish()
+        pub.close()
+        return versions
+    model = engine_model(index, len(engines), dtype, device)
+    sub = ShardedSubscriber.remote(model, trainers=trainers, engines=engines, wants=engine_wants(index, len(engines)),
+                                  transport=transport)
+    for v in range(1, versions + 1):
+        assert sub.pull() == v
+        want = engine_expected(full_model(v), index, len(engines), dtype)
+        bad = mismatched(model, want)
+        assert not bad, f"engine {index}, version {v}: {bad}"
+    in_place = sum(d is not None for plan in sub._receiver.direct for d in plan)
+    return sub.plan_bytes(), in_place
+
+
+def group_rank(url: str, rank: int, world: int, role: str, index: int, trainers, engines, layout: str,
+               versions: int, dtype=torch.float32, backend: str = "gloo", device: str = "cpu"):
+    from distributed_helpers import init_group, leave_group
+
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
+    init_group(url, rank, world, backend)
+    try:
+        return remote_rank(None, role, index, trainers, engines, layout, versions, dtype, 1 << 16, device)
+    finally:
+        leave_group()
+
+
+# ----------------------------------------------------------------------------- DTensor trainers
+
+def _placement(name: str):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Shard(0)] if name in COLUMN else [Shard(1)] if name in ROW else [Replicate()]
+
+
+def dtensor_trainer_serve(url: str, address, authkey: bytes, rank: int, world: int, engines: int) -> int:
+    """A TP trainer rank whose weights are DTensors on a CPU mesh over gloo."""
+    from distributed_helpers import init_group
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from torch_ipc.weights import ShardedPublisher
+
+    init_group(url, rank, world)
+    mesh = init_device_mesh("cpu", (world,))
+    full = full_model(1)
+    dtensors = {n: distribute_tensor(t, mesh, _placement(n)) for n, t in full.items()}
+    pub = ShardedPublisher(dtensors, rank=rank)
+    HELD.update(pub=pub, dtensors=dtensors, mesh=mesh, conns=[])
+    return _attach_and_publish(pub, address, authkey, engines)
+
+
+def dtensor_trainer_publish(last: int) -> int:
+    from torch.distributed.tensor import distribute_tensor
+
+    pub, dtensors, mesh = HELD["pub"], HELD["dtensors"], HELD["mesh"]
+    while pub.version < last:
+        for name, t in full_model(pub.version + 1).items():
+            dtensors[name].to_local().copy_(distribute_tensor(t, mesh, _placement(name)).to_local())
+        pub.publish()
+    return pub.version
+
+
+def dtensor_trainer_close() -> None:
+    from distributed_helpers import leave_group
+
+    trainer_close()
+    HELD.pop("dtensors")
+    leave_group()

@@ -1,0 +1,283 @@
+"""Sharded weights (Note [sharded weights] in torch_ipc/weights/sharded.py):
+trainer ranks publish their shards, engine ranks of another tensor-parallel
+layout pull exactly their slices, bit for bit, never mixing versions."""
+
+import distributed_helpers as dh
+import pytest
+import sharded_helpers as sh
+import torch
+import transport_helpers as th
+import weights_helpers as wh
+
+from torch_ipc.testing import PeerGroup
+from torch_ipc.weights import LocalShard, Take, WeightsMismatchError
+from torch_ipc.weights._shard_layout import Held, chunk_range, describe_shards, sources_of
+from torch_ipc.weights._shard_plan import ShardPlan, buckets
+
+TIMEOUT = 90.0
+
+
+# ----------------------------------------------------------------------------- geometry and refusals
+
+def test_chunk_ranges_cut_as_dtensor_shard_does():
+    for size in (1, 5, 6, 7, 14):
+        for world in (1, 2, 3, 4):
+            ranges = [chunk_range(size, r, world) for r in range(world)]
+            want = [(c[0].item(), c[-1].item() + 1) for c in torch.arange(size).chunk(world)]
+            assert [r for r in ranges if r[0] < r[1]] == want
+
+
+def _held(rank_boxes, shape=(6, 4), dtype=torch.float32):
+    return [[Held("w", dtype, shape, box)] for box in rank_boxes]
+
+
+def test_trainer_slices_must_tile_the_tensor():
+    assert set(sources_of(_held([((0, 3), (0, 4)), ((3, 6), (0, 4))]))) == {"w"}
+    same = sources_of(_held([((0, 6), (0, 4)), ((0, 6), (0, 4))]))  # a replica: read from rank 0 only
+    assert [rank for rank, _ in same["w"]] == [0]
+    with pytest.raises(ValueError, match="do not cover"):
+        sources_of(_held([((0, 3), (0, 4)), ((4, 6), (0, 4))]))
+    with pytest.raises(ValueError, match="overlaps"):
+        sources_of(_held([((0, 4), (0, 4)), ((3, 6), (0, 4))]))
+    with pytest.raises(ValueError, match="disagree"):
+        sources_of([[Held("w", torch.float32, (6, 4), ((0, 3), (0, 4)))],
+                    [Held("w", torch.float32, (7, 4), ((3, 7), (0, 4)))]])
+    with pytest.raises(ValueError, match="outside its global shape"):
+        describe_shards({"w": LocalShard(torch.zeros(3, 4), (6, 4), (4, 0))})
+
+
+def test_an_engine_layout_that_does_not_fit_is_refused_with_every_problem():
+    sources = sources_of(_held([((0, 3), (0, 4)), ((3, 6), (0, 4))]))
+    dest = {"a": torch.zeros(3, 4), "b": torch.zeros(2, 4), "c": torch.zeros(6, 4, dtype=torch.int32),
+            "d": torch.zeros(1)}
+    wants = {"a": Take("w", split=(0, 0, 2)), "b": Take("w", split=(0, 1, 2)), "c": Take("w"), "d": Take("x")}
+    with pytest.raises(WeightsMismatchError) as e:
+        ShardPlan(sources, dest, wants)
+    text = str(e.value)
+    assert "shape mismatch: b" in text and "dtype mismatch: c" in text and "missing: d" in text and "a:" not in text
+
+
+def test_a_piece_larger_than_a_bucket_is_cut_and_buckets_stay_bounded():
+    boxes = [("w", ((0, 10), (0, 100))), ("b", ((0, 3),))]
+    out = buckets(boxes, {"w": 4, "b": 4}, 1024)  # rows of 400 bytes: two per bucket
+    assert all(p.offset + 400 <= 1024 for b in out for p in b)
+    covered = sorted((p.box[0] for b in out for p in b if p.name == "w"))
+    assert covered[0][0] == 0 and covered[-1][1] == 10 and sum(hi - lo for lo, hi in covered) == 10
+    with pytest.raises(ValueError, match="pieces"):
+        buckets([("w", ((0, 1 << 23), (0, 64)))], {"w": 4}, 256)
+
+
+# ----------------------------------------------------------------------------- across nodes, in-memory transport
+
+@pytest.mark.parametrize("trainers,engines,layout,alone", [(2, 1, "tp", 0), (1, 2, "tp", 0), (2, 4, "tp", 0),
+                                                            (2, 2, "fsdp", 0), (3, 2, "fsdp", 0), (2, 2, "tp", 64)])
+def test_remote_sharded_pull_over_the_in_memory_transport(trainers, engines, layout, alone, monkeypatch):
+    """Trainer ranks and engine ranks as threads on the in-memory transport:
+    every engine rank gets every version of its slices bit for bit (bf16 on
+    odd engine ranks: converted in the pull). `alone`: pieces of 64 bytes or
+    more get buckets of their own, sent from the snapshot and received into
+    the engine's tensors in place where both are contiguous."""
+    if alone:
+        monkeypatch.setattr("torch_ipc.weights._shard_plan.ALONE_BYTES", alone)
+    hub = th.Hub(trainers + engines)
+    t_ranks, e_ranks = list(range(trainers)), list(range(trainers, trainers + engines))
+    fns = [lambda i=i: sh.remote_rank(hub.transport(i), "trainer", i, t_ranks, e_ranks, layout, 4)
+           for i in range(trainers)]
+    fns += [lambda j=j: sh.remote_rank(hub.transport(trainers + j), "engine", j, t_ranks, e_ranks, layout, 4,
+                                       torch.bfloat16 if j % 2 else torch.float32) for j in range(engines)]
+    results = th.run_ranks(fns)
+    received = [sum(r[0]) for r in results[trainers:]]
+    in_place = [r[1] for r in results[trainers:]]
+    assert in_place[1::2] == [0] * (engines // 2) and (in_place[0] > 4 or not alone)  # never into bf16 tensors
+    for j, got in enumerate(received):  # exactly the bytes of its slices, in the trainer's dtype (fp32)
+        want = sum(t.numel() * 4 for t in sh.engine_expected(sh.full_model(0), j, engines).values())
+        assert got <= want + 256 * 64 and got >= want
+
+
+# ----------------------------------------------------------------------------- one node, processes
+
+def _one_node(group, trainers: int, engines: int, layout: str, dtype=torch.float32, devices=None):
+    """Trainer and engine peers attached; `devices`: (trainer devices, engine devices) for GPU runs."""
+    t_devices, e_devices = devices or (["cpu"] * trainers, ["cpu"] * engines)
+    addresses, key = [wh.listener_address()[0] for _ in range(trainers)], b"k" * 16
+    t_peers = [group.get(f"trainer{i}") for i in range(trainers)]
+    e_peers = [group.get(f"engine{j}") for j in range(engines)]
+    for i, peer in enumerate(t_peers):
+        peer.start_call(sh.trainer_serve, addresses[i], key, i, trainers, layout, engines, t_devices[i])
+    for j, peer in enumerate(e_peers):
+        peer.start_call(sh.engine_attach, addresses, key, j, engines, dtype, e_devices[j])
+    assert [p.result() for p in t_peers] == [1] * trainers
+    for peer in e_peers:
+        peer.result()
+    return t_peers, e_peers
+
+
+@pytest.mark.parametrize("trainers,engines,layout", [(2, 1, "tp"), (1, 2, "tp"), (2, 4, "fsdp")])
+def test_one_node_sharded_pull_under_continuous_publishing(trainers, engines, layout):
+    """Trainer ranks publish 12 versions, each on its own schedule; every engine
+    rank pulls all the while and each pull is one version of every shard."""
+    with PeerGroup(timeout=TIMEOUT) as group:
+        t_peers, e_peers = _one_node(group, trainers, engines, layout)
+        for peer in e_peers:
+            peer.start_call(sh.engine_pull_until, 12)
+        for i, peer in enumerate(t_peers):
+            peer.start_call(sh.trainer_publish, 12, 0.002 * (i + 1))
+        assert [p.result() for p in t_peers] == [12] * trainers
+        for peer in e_peers:
+            seen = peer.result()
+            assert seen[-1] == 12 and seen == sorted(set(seen))
+        for peer in e_peers:
+            peer.call(sh.engine_close)
+        for peer in t_peers:
+            peer.call(sh.trainer_close)
+
+
+def test_one_node_engine_of_another_dtype():
+    with PeerGroup(timeout=TIMEOUT) as group:
+        t_peers, e_peers = _one_node(group, 2, 2, "tp", torch.bfloat16)
+        for peer in t_peers:
+            peer.call(sh.trainer_publish, 3)
+        for peer in e_peers:
+            assert peer.call(sh.engine_pull_until, 3)[-1] == 3
+
+
+# ----------------------------------------------------------------------------- across nodes, gloo
+
+def test_remote_sharded_pull_over_gloo_tp2_to_tp2_in_bf16():
+    url = dh.group_url()
+    with PeerGroup(timeout=TIMEOUT) as group:
+        peers = [group.get(f"rank{r}") for r in range(4)]
+        roles = [("trainer", 0), ("trainer", 1), ("engine", 0), ("engine", 1)]
+        for r, (peer, (role, index)) in enumerate(zip(peers, roles)):
+            peer.start_call(sh.group_rank, url, r, 4, role, index, [0, 1], [2, 3], "tp", 3,
+                            torch.bfloat16 if role == "engine" else torch.float32)
+        results = [p.result() for p in peers]
+        assert results[:2] == [3, 3] and all(sum(r[0]) > 0 for r in results[2:])
+
+
+def test_dtensor_trainer_ranks_on_a_cpu_mesh_to_tp_engines():
+    """Two trainer ranks hold the model as DTensors (Shard(0) columns, Shard(1)
+    rows, Replicate norm published by rank 0 only) on init_device_mesh("cpu",
+    (2,)) over gloo; three TP=3 engine ranks pull them (uneven cuts)."""
+    url, key = dh.group_url(), b"d" * 16
+    addresses = [wh.listener_address()[0] for _ in range(2)]
+    with PeerGroup(timeout=TIMEOUT) as group:
+        t_peers = [group.get(f"trainer{i}") for i in range(2)]
+        e_peers = [group.get(f"engine{j}") for j in range(3)]
+        for i, peer in enumerate(t_peers):
+            peer.start_call(sh.dtensor_trainer_serve, url, addresses[i], key, i, 2, 3)
+        for j, peer in enumerate(e_peers):
+            peer.start_call(sh.engine_attach, addresses, key, j, 3)
+        assert [p.result() for p in t_peers] == [1, 1]
+        for peer in e_peers:
+            peer.result()
+        for peer in t_peers:
+            peer.start_call(sh.dtensor_trainer_publish, 3)
+        for peer in e_peers:
+            assert peer.call(sh.engine_pull_until, 3)[-1] == 3
+        assert [p.result() for p in t_peers] == [3, 3]
+        for peer in e_peers:
+            peer.call(sh.engine_close)
+        for peer in t_peers:
+            peer.call(sh.dtensor_trainer_close)
+
+
+# ----------------------------------------------------------------------------- GPUs
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("trainers,engines", [(2, 1), (1, 2)])
+def test_one_node_sharded_pull_on_two_gpus(trainers, engines):
+    """Trainer TP=2 on GPUs 0,1 -> engine TP=1 on GPU 0 (it reads GPU 1's
+    shard over the peer link), and TP=1 on GPU 0 -> TP=2 on GPUs 0,1; bf16
+    engines, every version bit for bit under continuous publishing."""
+    devices = ([f"cuda:{i}" for i in range(trainers)], [f"cuda:{j}" for j in range(engines)])
+    with PeerGroup(timeout=TIMEOUT) as group:
+        t_peers, e_peers = _one_node(group, trainers, engines, "tp", torch.bfloat16, devices)
+        for peer in e_peers:
+            peer.start_call(sh.engine_pull_until, 8)
+        for peer in t_peers:
+            peer.start_call(sh.trainer_publish, 8, 0.001)
+        assert [p.result() for p in t_peers] == [8] * trainers
+        for peer in e_peers:
+            assert peer.result()[-1] == 8
+            peer.call(sh.engine_close)
+        for peer in t_peers:
+            peer.call(sh.trainer_close)
+
+
+@pytest.mark.gpus(2)
+def test_remote_sharded_pull_over_nccl_on_two_gpus():
+    """A trainer rank on GPU 0 and an engine rank on GPU 1 in one NCCL group
+    (standing for two nodes): batch_isend_irecv of the intersections."""
+    url = dh.group_url()
+    with PeerGroup(timeout=TIMEOUT) as group:
+        peers = [group.get(f"rank{r}") for r in range(2)]
+        for r, (peer, role) in enumerate(zip(peers, ("trainer", "engine"))):
+            peer.start_call(sh.group_rank, url, r, 2, role, 0, [0], [1], "tp", 3, torch.float32, "nccl", f"cuda:{r}")
+        results = [p.result() for p in peers]
+        assert results[0] == 3 and sum(results[1][0]) > 0
+
+
+def _remote_pair(hub, before: int):
+    """Trainer 0 (that published `before` versions locally first), trainer 1, one engine; all set up."""
+    from torch_ipc.weights import ShardedPublisher, ShardedSubscriber
+
+    pubs = [ShardedPublisher(sh.trainer_shards(sh.full_model(0), "tp", i, 2), rank=i) for i in range(2)]
+    for _ in range(before):
+        pubs[0].publish()
+    model = sh.engine_model(0, 1)
+    fns = [lambda i=i: pubs[i].send_to(trainers=[0, 1], engines=[2], transport=hub.transport(i)) for i in range(2)]
+    fns.append(lambda: ShardedSubscriber.remote(model, trainers=[0, 1], engines=[2], wants=sh.engine_wants(0, 1),
+                                                transport=hub.transport(2)))
+    return pubs, th.run_ranks(fns)[2]
+
+
+def test_an_engine_refuses_trainer_ranks_that_send_different_versions():
+    pubs, sub = _remote_pair(th.Hub(3), before=1)
+    assert [p.publish() for p in pubs] == [2, 1]  # sends are buffered on the in-memory transport
+    with pytest.raises(ValueError, match="out of step"):
+        sub.pull()
+
+
+def test_a_failed_send_is_a_broadcast_error_and_later_versions_stay_local():
+    from torch_ipc.weights import BroadcastError
+
+    hub = th.Hub(3)
+    pubs, sub = _remote_pair(hub, before=0)
+    pubs[0]._sender.transport.batch = lambda ops: (_ for _ in ()).throw(ConnectionError("peer gone"))
+    with pytest.raises(BroadcastError, match="published on this node.*peer gone"):
+        pubs[0].publish()
+    assert pubs[0].publish() == 2 and pubs[0]._sender is None
+
+
+def test_scalars_and_whole_tensors_are_taken_as_they_are():
+    sources = sources_of([[Held("step", torch.int64, (), ()), Held("b", torch.float32, (4,), ((0, 4),))]])
+    plan = ShardPlan(sources, {"step": torch.zeros((), dtype=torch.int64), "b": torch.zeros(4)}, {})
+    assert sorted(c.name for c in plan.copies) == ["b", "step"]
+
+
+def test_an_engine_wanting_a_slice_twice_is_refused_by_the_trainer():
+    from torch_ipc.weights._shard_layout import wants_from_message
+
+    globals_ = {"w": Held("w", torch.float32, (6, 4), ((0, 6), (0, 4)))}
+    message = {"kind": "torch_ipc.weights.wants/1", "tensors": [["w", [[0, 3], [0, 4]]]] * 2}
+    with pytest.raises(ValueError, match="twice"):
+        wants_from_message(message, globals_)
+    with pytest.raises(ValueError, match="outside"):
+        wants_from_message({**message, "tensors": [["w", [[0, 7], [0, 4]]]]}, globals_)
+
+
+def test_a_remote_engine_that_does_not_fit_is_refused_and_the_group_stays_in_step():
+    """The engine raises WeightsMismatchError after telling the trainers it
+    wants nothing, so their send_to() returns and they publish on."""
+    from torch_ipc.weights import ShardedPublisher, ShardedSubscriber
+
+    hub = th.Hub(3)
+    pubs = [ShardedPublisher(sh.trainer_shards(sh.full_model(0), "tp", i, 2), rank=i) for i in range(2)]
+    model = dict(sh.engine_model(0, 1), norm=torch.zeros(7))
+    fns = [lambda i=i: pubs[i].send_to(trainers=[0, 1], engines=[2], transport=hub.transport(i)) for i in range(2)]
+    fns.append(lambda: ShardedSubscriber.remote(model, trainers=[0, 1], engines=[2], wants=sh.engine_wants(0, 1),
+                                                transport=hub.transport(2)))
+    with pytest.raises(WeightsMismatchError, match="shape mismatch: norm"):
+        th.run_ranks(fns)
+    assert [p.publish() for p in pubs] == [1, 1]

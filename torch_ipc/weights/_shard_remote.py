@@ -1,0 +1,249 @@
+"""Across nodes: every trainer rank sends each engine rank exactly the
+intersections it needs, point to point through a Transport, in bounded
+buckets (Note [sharded weights] in sharded.py)."""
+
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
+
+import torch
+
+from .. import _dist
+from ._copy import BatchedCopy
+from ._layout import typed_view
+from ._shard_layout import (
+    Box,
+    Held,
+    Part,
+    Take,
+    held_from_message,
+    intersect,
+    relative,
+    shards_message,
+    sources_of,
+    volume,
+    wants_from_message,
+    wants_message,
+)
+from ._shard_plan import Piece, ShardPlan, buckets, landing, pair_boxes
+
+MAGIC = 0x7368_6172_6473_0001  # "shards" and message version 1
+HEADER_WORDS = 3  # MAGIC, version, buckets of this pair
+
+
+def _check_ranks(transport: _dist.Transport, trainers: Sequence[int], engines: Sequence[int]) -> None:
+    ranks = list(trainers) + list(engines)
+    if not trainers or not engines or len(set(ranks)) != len(ranks):
+        raise ValueError(f"torch_ipc.weights: trainers {list(trainers)} and engines {list(engines)} must be "
+                         "distinct ranks, at least one of each")
+    if transport.rank not in ranks:
+        raise ValueError(f"torch_ipc.weights: this process (rank {transport.rank}) is neither a trainer nor an "
+                         "engine rank")
+
+
+def _descriptions(transport: _dist.Transport, trainers: Sequence[int], mine: Any) -> Tuple[List[List[Held]], int]:
+    """Every trainer rank's description (a collective of the whole group):
+    (what each holds, in trainer order; their bucket bytes)."""
+    held_by_rank, bucket = [], None
+    for index, rank in enumerate(trainers):
+        message = _dist.broadcast_json(transport, mine if transport.rank == rank else None, rank)
+        got_rank, got_bucket, held = held_from_message(message)
+        if got_rank != index or got_bucket <= 0 or bucket not in (None, got_bucket):
+            raise ValueError(f"torch_ipc.weights: trainer {rank} says it is trainer rank {got_rank} with buckets of "
+                             f"{got_bucket} bytes (expected rank {index}, buckets of {bucket or 'any'})")
+        bucket = got_bucket
+        held_by_rank.append(held)
+    return held_by_rank, bucket
+
+
+def _wants(transport: _dist.Transport, engines: Sequence[int], mine: Any,
+           globals_: Mapping[str, Held]) -> List[List[Tuple[str, Box]]]:
+    return [wants_from_message(_dist.broadcast_json(transport, mine if transport.rank == rank else None, rank),
+                               globals_) for rank in engines]
+
+
+def _itemsizes(sources: Mapping[str, List[Tuple[int, Held]]]) -> Dict[str, int]:
+    return {name: torch.empty(0, dtype=rows[0][1].dtype).element_size() for name, rows in sources.items()}
+
+
+IN_FLIGHT = 2  # rounds of buckets in flight: packing or unpacking one overlaps the transfer of the other
+
+
+def _staging(plans: Sequence[List[List[Piece]]], itemsize: Mapping[str, int], device: torch.device):
+    """Per peer, IN_FLIGHT buffers of its largest staged bucket (bounded by
+    the bytes this rank sends or wants of that peer)."""
+    out = []
+    for plan in plans:
+        size = max((p.offset + volume(p.box) * itemsize[p.name] for bucket in plan for p in bucket), default=0)
+        out.append([torch.empty(size, dtype=torch.uint8, device=device) for _ in range(IN_FLIGHT)])
+    return out
+
+
+def _as_bytes(view: torch.Tensor):
+    """A contiguous tensor as its bytes (the wire carries bytes: NCCL pairs a
+    send and a receive by count and type), else None."""
+    return view.reshape(-1).view(torch.uint8) if view.is_contiguous() else None
+
+
+def _rounds(plans: Sequence[List[List[Piece]]], post, finish) -> None:
+    """Bucket k of every peer in round k, IN_FLIGHT rounds in flight:
+    ``post(k)`` starts round k (returns its works), ``finish(k, works)``
+    waits for them."""
+    pending: List[Tuple[int, List[Any]]] = []
+    for k in range(max((len(p) for p in plans), default=0)):
+        if len(pending) == IN_FLIGHT:
+            finish(*pending.pop(0))
+        pending.append((k, post(k)))
+    for k, works in pending:
+        finish(k, works)
+
+
+def _piece_view(staging: torch.Tensor, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
+    shape = tuple(b - a for a, b in piece.box)
+    return typed_view(staging, piece.offset, dtype, volume(piece.box)).view(shape)
+
+
+class Sender:
+    """A trainer rank's side; constructing it is a collective with every
+    engine rank's Receiver (the descriptions and wants are exchanged once)."""
+
+    def __init__(self, transport: _dist.Transport, trainers: Sequence[int], engines: Sequence[int],
+                 held: Sequence[Held], views: Mapping[str, torch.Tensor], bucket_bytes: int):
+        _check_ranks(transport, trainers, engines)
+        if transport.rank not in trainers:
+            raise ValueError(f"torch_ipc.weights: rank {transport.rank} is not one of the trainers {list(trainers)}")
+        if bucket_bytes <= 0 or bucket_bytes % 256:
+            raise ValueError(f"bucket_bytes must be a positive multiple of 256, not {bucket_bytes}")
+        for view in views.values():
+            transport.check_device(view)
+        me = list(trainers).index(transport.rank)
+        held_by_rank, bucket = _descriptions(transport, trainers, shards_message(me, held, bucket_bytes))
+        sources = sources_of(held_by_rank)
+        wants = _wants(transport, engines, None, {n: rows[0][1] for n, rows in sources.items()})
+        itemsize = _itemsizes(sources)
+        self.transport, self.engines = transport, list(engines)
+        self.plans = [buckets(list(pair_boxes(w, sources, me)), itemsize, bucket) for w in wants]
+        self.staging = _staging(self.plans, itemsize, next(iter(views.values())).device)
+        self.ends = _ends(self.plans, itemsize)
+        boxes = {h.name: h.box for h in held}
+
+        def source(p: Piece) -> torch.Tensor:
+            return views[p.name][relative(p.box, boxes[p.name])]
+
+        # per peer, per bucket: the snapshot's bytes to send in place, or the copies into staging
+        self.direct = [[_as_bytes(source(b[0])) if len(b) == 1 else None for b in plan] for plan in self.plans]
+        self.packs = [[None if direct[k] is not None else
+                       BatchedCopy([(source(p), _piece_view(staging[k % IN_FLIGHT], p, views[p.name].dtype))
+                                    for p in b]) for k, b in enumerate(plan)]
+                      for plan, staging, direct in zip(self.plans, self.staging, self.direct)]
+
+    def send(self, version: int) -> None:
+        """Send `version` (already in the snapshot) to every engine rank."""
+        headers = [torch.tensor([MAGIC, version, len(plan)], dtype=torch.int64).to(self.transport.control_device)
+                   for plan in self.plans]
+        for work, header in zip(self.transport.batch([("send", h, e) for h, e in zip(headers, self.engines)]),
+                                headers):
+            _dist.finish(work, header)
+
+        def post(k: int) -> List[Any]:
+            ops = []
+            for i, plan in enumerate(self.plans):
+                if k < len(plan):
+                    data = self.direct[i][k]
+                    if data is None:
+                        self.packs[i][k].run()
+                        data = self.staging[i][k % IN_FLIGHT][: self.ends[i][k]]
+                    ops.append(("send", data, self.engines[i]))
+            return self.transport.batch(ops)
+
+        _rounds(self.plans, post, lambda k, works: [w.wait() for w in works])
+
+
+def _ends(plans: Sequence[List[List[Piece]]], itemsize: Mapping[str, int]) -> List[List[int]]:
+    """The bytes of each bucket: the end of its last piece."""
+    return [[b[-1].offset + volume(b[-1].box) * itemsize[b[-1].name] for b in plan] for plan in plans]
+
+
+class Receiver:
+    """An engine rank's side: constructing it is a collective with every
+    trainer rank's Sender; ``pull()`` with each of their ``send()``."""
+
+    def __init__(self, transport: _dist.Transport, trainers: Sequence[int], engines: Sequence[int],
+                 dest: Mapping[str, torch.Tensor], wants: Mapping[str, Take], strict: bool):
+        _check_ranks(transport, trainers, engines)
+        if transport.rank not in engines:
+            raise ValueError(f"torch_ipc.weights: rank {transport.rank} is not one of the engines {list(engines)}")
+        for tensor in dest.values():
+            transport.check_device(tensor)
+        held_by_rank, bucket = _descriptions(transport, trainers, None)
+        sources = sources_of(held_by_rank)
+        error, plan = None, None
+        try:
+            plan = ShardPlan(sources, dest, wants, strict)
+        except ValueError as e:
+            error = e  # the group still hears this rank's (empty) wants, so it stays in step
+        mine = wants_message(plan.wanted() if plan else [])
+        mine_wants = _wants(transport, engines, mine, {n: rows[0][1] for n, rows in sources.items()})
+        if error is not None:
+            raise error
+        itemsize = _itemsizes(sources)
+        me = list(engines).index(transport.rank)
+        self.transport, self.trainers, self.plan = transport, list(trainers), plan
+        self.plans = [buckets(list(pair_boxes(mine_wants[me], sources, t)), itemsize, bucket)
+                      for t in range(len(trainers))]
+        device = next(iter(dest.values())).device if dest else torch.device("cpu")
+        self.staging = _staging(self.plans, itemsize, device)
+        self.ends = _ends(self.plans, itemsize)
+        dtypes = {n: rows[0][1].dtype for n, rows in sources.items()}
+        by_name: Dict[str, List[Tuple[torch.Tensor, Part]]] = {}
+        for tensor, part in plan.parts:
+            by_name.setdefault(part.name, []).append((tensor, part))
+
+        def landings(p: Piece) -> List[torch.Tensor]:
+            return [t[landing(part, p.box)] for t, part in by_name.get(p.name, ())
+                    if intersect(part.box, p.box) == p.box]
+
+        def in_place(b: List[Piece]):
+            """The engine tensor's bytes a lone piece lands in, when it can be received there."""
+            dsts = landings(b[0]) if len(b) == 1 else []
+            return _as_bytes(dsts[0]) if len(dsts) == 1 and dsts[0].dtype == dtypes[b[0].name] else None
+
+        self.direct = [[in_place(b) for b in plan_] for plan_ in self.plans]
+        self.unpacks = [[None if direct[k] is not None else
+                         BatchedCopy([(_piece_view(staging[k % IN_FLIGHT], p, dtypes[p.name]), d)
+                                      for p in b for d in landings(p)]) for k, b in enumerate(plan_)]
+                        for plan_, staging, direct in zip(self.plans, self.staging, self.direct)]
+        self.version = 0
+
+    def pull(self) -> int:
+        """Receive the next version from every trainer rank into the engine's tensors."""
+        headers = [torch.zeros(HEADER_WORDS, dtype=torch.int64, device=self.transport.control_device)
+                   for _ in self.trainers]
+        works = self.transport.batch([("recv", h, t) for h, t in zip(headers, self.trainers)])
+        for work, header in zip(works, headers):
+            _dist.finish(work, header)
+        got = [h.tolist() for h in headers]
+        version = got[0][1]
+        for (magic, v, n), plan, rank in zip(got, self.plans, self.trainers):
+            if magic != MAGIC or v != version or v <= self.version or n != len(plan):
+                raise ValueError(f"torch_ipc.weights: trainer {rank} sent header {[magic, v, n]} (expected version "
+                                 f"{version} > {self.version} in {len(plan)} buckets); the group is out of step")
+
+        def post(k: int) -> List[Any]:
+            ops = []
+            for i, plan in enumerate(self.plans):
+                if k < len(plan):
+                    data = self.direct[i][k]
+                    if data is None:
+                        data = self.staging[i][k % IN_FLIGHT][: self.ends[i][k]]
+                    ops.append(("recv", data, self.trainers[i]))
+            return self.transport.batch(ops)
+
+        def finish(k: int, works: List[Any]) -> None:
+            for work in works:
+                work.wait()
+            for i, plan in enumerate(self.plans):
+                if k < len(plan) and self.unpacks[i][k] is not None:
+                    self.unpacks[i][k].run()
+
+        _rounds(self.plans, post, finish)
+        self.version = version
+        return version
