@@ -42,7 +42,7 @@ def load_steps(data, reps):
         t0 = time.perf_counter_ns()
         tensors, is_parameter, payload, pending = _C.load(data, before_cuda)
         t1 = time.perf_counter_ns()
-        obj = _serialize._rebuild(tensors, is_parameter, payload, False)
+        obj = _serialize._rebuild(tensors, is_parameter, payload, weights_only=False)
         t2 = time.perf_counter_ns()
         pending.commit()
         t3 = time.perf_counter_ns()
