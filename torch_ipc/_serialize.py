@@ -17,6 +17,7 @@ import copyreg
 import io
 import os
 import pickle
+import re
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, List, Optional
 
@@ -136,12 +137,20 @@ class _PlainUnpickler(pickle.Unpickler):
         raise _Reached
 
 
+# A memo index the C unpickler would size its memo for (~16 bytes each) past
+# 2**16 entries: LONG_BINPUT with a high byte set, PUT with 6 or more digits.
+# Payloads where these bytes occur, even inside a string, go to the walk,
+# which bounds every index (Note [where an object comes from]).
+_LARGE_MEMO_INDEX = re.compile(rb"r..[^\x00]|r...[^\x00]|p[^\n]{6}", re.DOTALL)
+
+
 def _load_weights_only(pickled, tensors: List[torch.Tensor]) -> Any:
-    """The object of a pickle in a weights_only load (Note [weights_only])."""
-    try:
-        return _PlainUnpickler(io.BytesIO(pickled)).load()
-    except _Reached:
-        pass
+    """The object of a pickle in a weights_only load (Note [weights_only] in _weights_only.py)."""
+    if not _LARGE_MEMO_INDEX.search(pickled):
+        try:
+            return _PlainUnpickler(io.BytesIO(pickled)).load()
+        except _Reached:
+            pass
     check_payload(bytes(pickled))
     return _Unpickler(io.BytesIO(pickled), tensors, True).load()
 
