@@ -441,7 +441,7 @@ def _rebuild(tensors, is_parameter, payload: bytes, *, weights_only: bool) -> An
             if not tensors:  # nothing to resolve: the C unpickler alone
                 return pickle.loads(pickled)
             return _Unpickler(io.BytesIO(pickled), tensors, False).load()
-    except WeightsOnlyError:
+    except (WeightsOnlyError, DescriptorError):
         raise
     except Exception as e:
         raise DescriptorError(f"torch_ipc descriptor payload does not unpickle: {e!r}") from e

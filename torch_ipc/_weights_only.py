@@ -35,7 +35,7 @@ from collections import Counter, OrderedDict
 
 import torch
 
-from .errors import WeightsOnlyError
+from .errors import DescriptorError, WeightsOnlyError
 
 __all__ = ["allowed_global", "check_payload", "validate_sparse_rebuild"]
 
@@ -88,14 +88,19 @@ def allowed_global(module: str, name: str):
 # torch.sparse.*Tensor constructors are refused by weights_only loads.
 def validate_sparse_rebuild(layout, indices, values, shape, coalesced=None):
     """A sparse tensor of ``layout`` on private copies of ``indices`` (one
-    tensor for COO, (compressed, plain) otherwise), its invariants checked."""
-    if layout is torch.sparse_coo:
-        (index,) = indices
-        return torch.sparse_coo_tensor(index.clone(), values, shape, is_coalesced=coalesced,
-                                       check_invariants=True)
-    compressed, plain = indices
-    return torch.sparse_compressed_tensor(compressed.clone(), plain.clone(), values, shape, layout=layout,
-                                          check_invariants=True)
+    tensor for COO, (compressed, plain) otherwise), its invariants checked:
+    DescriptorError if they do not hold."""
+    try:
+        if layout is torch.sparse_coo:
+            (index,) = indices
+            return torch.sparse_coo_tensor(index.clone(), values, shape, is_coalesced=coalesced,
+                                           check_invariants=True)
+        compressed, plain = indices
+        return torch.sparse_compressed_tensor(compressed.clone(), plain.clone(), values, shape, layout=layout,
+                                              check_invariants=True)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise DescriptorError(f"torch_ipc: a sparse tensor ({layout}, size {tuple(shape)}) in the payload has "
+                              f"indices that do not fit it, refused: {e}") from None
 
 
 def _rebuild_torch_sparse_checked(layout, data):
