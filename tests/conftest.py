@@ -23,7 +23,7 @@ def pytest_configure(config):
     if hasattr(config, "workerinput") or _SCRATCH_KEY in os.environ:
         return  # an xdist worker (or a nested run): the controller set it up
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
-    scratch = tempfile.mkdtemp(prefix="torch_ipc_suite.")
+    scratch = tempfile.mkdtemp(prefix="suite-tmp.")
     os.environ["TMPDIR"] = os.environ[_SCRATCH_KEY] = scratch
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     config.stash[_scratch] = scratch
