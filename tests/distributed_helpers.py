@@ -9,10 +9,9 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
+from weights_helpers import HELD, bits, make_weights, scratch_folder
 
 from torch_ipc.weights import BroadcastError, Publisher, PublisherGoneError, Relay
-
-from weights_helpers import HELD, bits, make_weights, scratch_folder
 
 STATE: Dict[str, object] = {}
 

@@ -5,13 +5,12 @@ in by. The internal loads has no default: each caller says whom it trusts."""
 import inspect
 
 import pytest
+from test_weights_only_crafted import _global, _str
 
 import torch_ipc
 from torch_ipc import _serialize  # crafting a payload needs the raw export
 from torch_ipc.kv import SharedKVPool
 from torch_ipc.mp.handles import rebuild_tensor
-
-from test_weights_only_crafted import _global, _str
 
 ENTRY_POINTS = {
     "torch_ipc.loads": torch_ipc.loads,

@@ -6,11 +6,10 @@ reach the consumer's tensor. The consumers are real other processes, so that a
 crash shows as a failed test."""
 import pytest
 import torch
+from test_weights_only_crafted import _global, _str
 
 import torch_ipc
 from torch_ipc import _serialize  # crafting a payload needs the raw export
-
-from test_weights_only_crafted import _global, _str
 
 _kept = {}
 

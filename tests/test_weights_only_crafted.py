@@ -15,8 +15,10 @@ import pytest
 import torch
 
 import torch_ipc
-from torch_ipc import WeightsOnlyError
-from torch_ipc import _serialize  # crafting a payload needs the raw export
+from torch_ipc import (
+    WeightsOnlyError,
+    _serialize,  # crafting a payload needs the raw export
+)
 
 _PROTO2 = b"\x80\x02"
 

@@ -14,11 +14,10 @@ import struct
 import time
 
 import torch
+from test_weights_only_crafted import _global, _str
 
 import torch_ipc
 from torch_ipc import DescriptorError, WeightsOnlyError, _serialize
-
-from test_weights_only_crafted import _global, _str
 
 N_PAYLOADS = 10000
 SEED = 20261126
@@ -58,7 +57,7 @@ class _Payloads:
     def global_(self) -> bytes:
         module, name = self.rng.choice(_REFUSED if self.rng.random() < 0.05 else _ALLOWED)
         if self.rng.random() < 0.3:  # STACK_GLOBAL of two strings
-            return b"\x8c" + bytes([len(module)]) + module.encode() + b"\x8c" + bytes([len(name)]) + name.encode() + b"\x93"
+            return b"".join(b"\x8c" + bytes([len(part)]) + part.encode() for part in (module, name)) + b"\x93"
         return _global(module, name)
 
     def made(self) -> bytes:
@@ -155,12 +154,13 @@ def test_random_weights_only_payloads_load_or_are_refused(ipc_peer):
     outcomes, unexpected, changed, seen = ipc_peer.call(_fuzz, data, N_PAYLOADS, SEED)
     took = time.monotonic() - start
     assert not changed, f"payloads changed {changed}"
-    assert torch.equal(x, torch.arange(4.0)) and torch.equal(y, torch.arange(3)), "a payload wrote the producer's tensors"
+    wrote = not (torch.equal(x, torch.arange(4.0)) and torch.equal(y, torch.arange(3)))
+    assert not wrote, "a payload wrote the producer's tensors"
     assert seen == [x.tolist(), y.tolist()]
     assert sum(outcomes.values()) == N_PAYLOADS
     assert set(outcomes) <= {"loaded", "WeightsOnlyError", "DescriptorError", "UnpicklingError"}, (outcomes, unexpected)
     assert not unexpected, unexpected
     # the mix reached every verdict, not only refusals
-    assert outcomes.get("loaded", 0) > N_PAYLOADS // 20 and outcomes.get("WeightsOnlyError", 0) > N_PAYLOADS // 20, outcomes
+    assert min(outcomes.get("loaded", 0), outcomes.get("WeightsOnlyError", 0)) > N_PAYLOADS // 20, outcomes
     assert took < 30, f"{N_PAYLOADS} payloads took {took:.1f} s"
     print(f"\n{N_PAYLOADS} payloads in {took:.1f} s: {outcomes}")
