@@ -383,6 +383,12 @@ def _walk(data: bytes) -> list:
         elif code == _BININT1:
             push(_LITERAL)
             pos += 2
+        elif code == _BININT2:
+            push(_LITERAL)
+            pos += 3
+        elif code in _NEW_OBJECT:  # EMPTY_DICT, EMPTY_LIST, EMPTY_TUPLE, NONE
+            push(_NEW_OBJECT[code])
+            pos += 1
         elif code == _SHORT_BINUNICODE and pos + 1 < end:
             start = pos + 2
             pos = start + data[pos + 1]
@@ -399,6 +405,9 @@ def _walk(data: bytes) -> list:
         elif code == _BINGET and pos + 1 < end and data[pos + 1] in memo:
             push(memo[data[pos + 1]])
             pos += 2
+        elif code == _LONG_BINGET and int.from_bytes(data[pos + 1:pos + 5], "little") in memo and pos + 4 < end:
+            push(memo[int.from_bytes(data[pos + 1:pos + 5], "little")])
+            pos += 5
         elif code == _MARK:
             marks.append(len(stack))
             pos += 1
@@ -436,9 +445,12 @@ def _other_opcode(walk: _Walk, data: bytes, pos: int) -> int:
     return pos
 
 
-_MEMOIZE, _BININT1, _SHORT_BINUNICODE, _TUPLE2, _BINPERSID, _SETITEM, _BINGET, _MARK, _STOP = (
-    pickle.MEMOIZE[0], pickle.BININT1[0], pickle.SHORT_BINUNICODE[0], pickle.TUPLE2[0], pickle.BINPERSID[0],
-    pickle.SETITEM[0], pickle.BINGET[0], pickle.MARK[0], pickle.STOP[0])
+_MEMOIZE, _BININT1, _BININT2, _SHORT_BINUNICODE, _TUPLE2, _BINPERSID, _SETITEM, _BINGET, _LONG_BINGET = (
+    pickle.MEMOIZE[0], pickle.BININT1[0], pickle.BININT2[0], pickle.SHORT_BINUNICODE[0], pickle.TUPLE2[0],
+    pickle.BINPERSID[0], pickle.SETITEM[0], pickle.BINGET[0], pickle.LONG_BINGET[0])
+_MARK, _STOP = pickle.MARK[0], pickle.STOP[0]
+_NEW_OBJECT = {pickle.EMPTY_DICT[0]: _DICT, pickle.EMPTY_LIST[0]: _LIST, pickle.EMPTY_TUPLE[0]: _LITERAL,
+               pickle.NONE[0]: _LITERAL}
 
 
 def _step(walk: _Walk, name: str, action, arg: bytes) -> None:
