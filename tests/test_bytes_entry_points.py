@@ -5,10 +5,11 @@ in by. The internal loads has no default: each caller says whom it trusts."""
 import inspect
 
 import pytest
+from ipc_test_utils import crafted_descriptor
 from test_weights_only_crafted import _global, _str
 
 import torch_ipc
-from torch_ipc import _serialize  # crafting a payload needs the raw export
+from torch_ipc import _serialize  # the internal loads
 from torch_ipc.kv import SharedKVPool
 from torch_ipc.mp.handles import rebuild_tensor
 
@@ -29,7 +30,7 @@ def _runs_code(marker: str, how: str) -> bytes:
     """A descriptor whose payload calls os.system, or a function of this module, to create ``marker``."""
     target = _global("os", "system") if how == "os.system" else _global(__name__, "_touch")
     arg = f"touch {marker}" if how == "os.system" else marker
-    return _serialize.export([], [], b"P\x80\x02" + target + _str(arg) + b"\x85R.", consumers=0).data
+    return crafted_descriptor(b"\x80\x02" + target + _str(arg) + b"\x85R.")
 
 
 def _feed(name: str, data: bytes):

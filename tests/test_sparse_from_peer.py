@@ -6,10 +6,10 @@ reach the consumer's tensor. The consumers are real other processes, so that a
 crash shows as a failed test."""
 import pytest
 import torch
+from ipc_test_utils import crafted_descriptor
 from test_weights_only_crafted import _global, _str
 
 import torch_ipc
-from torch_ipc import _serialize  # crafting a payload needs the raw export
 
 _kept = {}
 
@@ -35,7 +35,7 @@ def _torch_sparse_payload(layout: str, n_parts: int, tensors) -> bytes:
     """REDUCE(torch._utils._rebuild_sparse_tensor, (layout, (tensor 0 .. n-1, (3, 3))))."""
     parts = b"(" + b"".join(_pid(i) for i in range(n_parts)) + b"K\x03K\x03\x86t"
     body = _global("torch._utils", "_rebuild_sparse_tensor") + _layout(layout) + parts + b"\x86R"
-    return _serialize.export(list(tensors), [], b"P\x80\x02" + body + b".", consumers=0).data
+    return crafted_descriptor(b"\x80\x02" + body + b".", tensors)
 
 
 @pytest.mark.parametrize("layout", ["coo", "csr"])
@@ -53,7 +53,7 @@ def test_an_index_out_of_bounds_is_refused_not_a_crash(layout, ipc_peer):
 def test_a_legacy_sparse_constructor_is_refused(ipc_peer):
     body = _global("torch.sparse", "FloatTensor") + b"(" + _pid(0) + _pid(1) + b"K\x03K\x03\x86tR"
     tensors = [torch.tensor([[0], [1]]), torch.ones(1)]
-    data = _serialize.export(tensors, [], b"P\x80\x02" + body + b".", consumers=0).data
+    data = crafted_descriptor(b"\x80\x02" + body + b".", tensors)
     kind, message, _ = ipc_peer.call(_load_and_use, data)
     assert kind == "WeightsOnlyError" and "legacy sparse" in message, message
 

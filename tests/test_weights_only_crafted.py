@@ -13,12 +13,10 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from ipc_test_utils import crafted_descriptor
 
 import torch_ipc
-from torch_ipc import (
-    WeightsOnlyError,
-    _serialize,  # crafting a payload needs the raw export
-)
+from torch_ipc import WeightsOnlyError
 
 _PROTO2 = b"\x80\x02"
 
@@ -41,7 +39,7 @@ _GLOBAL_LOG = _Log()
 
 def _crafted(body: bytes, tensors=()) -> bytes:
     """A real descriptor of ``tensors`` whose payload is the pickle ``body`` (protocol 2, STOP added)."""
-    return _serialize.export(list(tensors), [], b"P" + _PROTO2 + body + b".", consumers=0).data
+    return crafted_descriptor(_PROTO2 + body + b".", tensors)
 
 
 def _str(s: str) -> bytes:
