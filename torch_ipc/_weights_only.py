@@ -472,8 +472,11 @@ def _step(walk: _Walk, name: str, action, arg: bytes) -> None:
         walk.stack.append(_SHARED)
     elif name == "MARK":
         walk.marks.append(len(walk.stack))
-    elif name == "POP":
-        walk.pop()
+    elif name == "POP":  # as the C unpickler: a MARK when nothing is above it
+        if walk.marks and len(walk.stack) == walk.marks[-1]:
+            walk.marks.pop()
+        else:
+            walk.pop()
     elif name == "POP_MARK":
         walk.pop_mark()
     elif name == "DUP":
