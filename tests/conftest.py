@@ -5,12 +5,14 @@ the opt-in ``torch_ipc.testing`` pytest plugin, as in any project that uses it.
 Note [the suite leaves nothing in TMPDIR]
 The run gets a private $TMPDIR (xdist workers and every child inherit it;
 pytest's own tmp_path folders stay where they were, PYTEST_DEBUG_TEMPROOT).
-When the run ends, whatever is left in it was left by the suite or by
-torch_ipc, not by another program on the machine: the run fails and names it.
+When the run ends (and its processes had up to 10 s to exit), whatever is
+left in it was left by the suite or by torch_ipc, not by another program on
+the machine: the run fails and names it.
 """
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -30,6 +32,16 @@ def pytest_configure(config):
 
 
 _scratch = pytest.StashKey[str]()
+_SETTLE_S = 10.0  # xdist workers and their children may still be exiting: their atexit removes files
+
+
+def _left_in(scratch: str) -> list:
+    deadline = time.monotonic() + _SETTLE_S
+    left = sorted(os.listdir(scratch))
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = sorted(os.listdir(scratch))
+    return left
 
 
 @pytest.hookimpl(trylast=True)
@@ -37,7 +49,7 @@ def pytest_sessionfinish(session, exitstatus):
     scratch = session.config.stash.get(_scratch, None)
     if scratch is None:
         return
-    left = sorted(os.listdir(scratch))
+    left = _left_in(scratch)
     if not left:
         shutil.rmtree(scratch, ignore_errors=True)
         return
