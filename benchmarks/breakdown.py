@@ -4,8 +4,9 @@ for a 384-tensor state_dict; then the cost per tensor of a message (1 vs 1000
 tensors of 1 KiB, as bench.py's per_tensor row sends them), split into the
 steps of dumps (Python split, the C++ export, the bytes), of loads (the C++
 load, the Python rebuild, the commit) and of the release of the previous
-load, in one process and in two. Complements bench.py (which compares with
-torch). Takes well under a minute.
+load, in one process and in two; last, loads(weights_only=True/False) of a
+state_dict and of an object with tensors, with the payload new or seen.
+Complements bench.py (which compares with torch). Takes well under a minute.
 
     python benchmarks/breakdown.py [--device cuda|cpu] [--json out.json]
 """
@@ -42,7 +43,7 @@ def load_steps(data, reps):
         t0 = time.perf_counter_ns()
         tensors, is_parameter, payload, pending = _C.load(data, before_cuda)
         t1 = time.perf_counter_ns()
-        obj = _serialize._rebuild(tensors, is_parameter, payload, False)
+        obj = _serialize._rebuild(tensors, is_parameter, payload, weights_only=False)
         t2 = time.perf_counter_ns()
         pending.commit()
         t3 = time.perf_counter_ns()
@@ -77,6 +78,37 @@ def dumps_steps(tensors, reps):
                 steps[name].append(ns)
     torch_ipc.collect()
     return {name: statistics.median(ns) for name, ns in steps.items()}
+
+
+def weights_only_rows(device):
+    """Rows (what, us) of loads(weights_only=True/False) in one process: the
+    walk over a payload's opcodes, when the payload is new and when it was
+    seen (Note [checked payloads] in torch_ipc/_weights_only.py)."""
+    from torch_ipc import _weights_only
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2, device=device) for _ in range(192)])
+    workloads = {
+        "dict of 384 tensors": dict(model.state_dict()),
+        "state_dict() (OrderedDict) of 384 tensors": model.state_dict(),
+        "object with 20 tensors": {"step": 3, "model": [torch.zeros(2, device=device) for _ in range(20)],
+                                   "cfg": {"lr": 1e-3, "betas": (0.9, 0.99)}},
+    }
+    rows = []
+    for name, obj in workloads.items():
+        data = torch_ipc.dumps(obj, consumers=None)
+        for label, weights_only, new in (("weights_only=False", False, False),
+                                         ("weights_only=True, payload seen", True, False),
+                                         ("weights_only=True, payload new", True, True)):
+            t = []
+            for i in range(210):
+                if new:
+                    _weights_only._PASSED.clear()
+                t0 = time.perf_counter_ns()
+                torch_ipc.loads(data, weights_only=weights_only)
+                if i >= 10:
+                    t.append(time.perf_counter_ns() - t0)
+            rows.append((f"{name}: loads, {label}", median_us(t)))
+    return rows
 
 
 def per_tensor(conn, device):
@@ -180,6 +212,7 @@ def main():
             rows.append((f"{name}: loads (consumer)", load_us))
             rows.append((f"{name}: release on drop (consumer)", drop_us))
         steps = per_tensor(a, device)
+        rows.extend(weights_only_rows(device))
         a.send(None)
         p.join(TIMEOUT)
     finally:
@@ -187,7 +220,7 @@ def main():
             p.kill()
     print(f"\ntorch_ipc time breakdown ({device}; medians)")
     for name, us in rows:
-        print(f"  {name:<50} {us:10.2f} us")
+        print(f"  {name:<70} {us:10.2f} us")
     one, many = PER_TENSOR_COUNTS
     print(f"\nper tensor: messages of {one} and {many} tensors of 1 KiB ({device}; medians, us)")
     print(f"  {'step':<58} {one:>9} {many:>10} {'per tensor':>11}")

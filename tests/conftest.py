@@ -1,5 +1,61 @@
 """Configuration of torch_ipc's own test suite: its markers (``cuda``,
 ``gpus(n)``) and fixtures (``ipc_peer``, ``ipc_peers``, ``ipc_spawn``) come from
 the opt-in ``torch_ipc.testing`` pytest plugin, as in any project that uses it.
+
+Note [the suite leaves nothing in TMPDIR]
+The run gets a private $TMPDIR (xdist workers and every child inherit it;
+pytest's own tmp_path folders stay where they were, PYTEST_DEBUG_TEMPROOT).
+When the run ends (and its processes had up to 10 s to exit), whatever is
+left in it was left by the suite or by torch_ipc, not by another program on
+the machine: the run fails and names it.
 """
+import os
+import shutil
+import tempfile
+import time
+
+import pytest
+
 pytest_plugins = ["torch_ipc.testing"]
+
+_SCRATCH_KEY = "TORCH_IPC_SUITE_TMPDIR"
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput") or _SCRATCH_KEY in os.environ:
+        return  # an xdist worker (or a nested run): the controller set it up
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    scratch = tempfile.mkdtemp(prefix="suite-tmp.")
+    os.environ["TMPDIR"] = os.environ[_SCRATCH_KEY] = scratch
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    config.stash[_scratch] = scratch
+
+
+_scratch = pytest.StashKey[str]()
+_SETTLE_S = 10.0  # xdist workers and their children may still be exiting: their atexit removes files
+
+
+def _left_in(scratch: str) -> list:
+    deadline = time.monotonic() + _SETTLE_S
+    left = sorted(os.listdir(scratch))
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = sorted(os.listdir(scratch))
+    return left
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    scratch = session.config.stash.get(_scratch, None)
+    if scratch is None:
+        return
+    left = _left_in(scratch)
+    if not left:
+        shutil.rmtree(scratch, ignore_errors=True)
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write(f"\nthe suite left {len(left)} entries in its TMPDIR {scratch}: {left[:10]} "
+                       "(Note [the suite leaves nothing in TMPDIR] in tests/conftest.py)\n", red=True)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -4,13 +4,12 @@ gloo on this machine."""
 
 import datetime
 import os
-import tempfile
 import time
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-from weights_helpers import HELD, bits, make_weights
+from weights_helpers import HELD, bits, make_weights, scratch_folder
 
 from torch_ipc.weights import BroadcastError, Publisher, PublisherGoneError, Relay
 
@@ -19,7 +18,7 @@ STATE: Dict[str, object] = {}
 
 def group_url() -> str:
     """A fresh file:// rendezvous for one group."""
-    return "file://" + os.path.join(tempfile.mkdtemp(prefix="torch_ipc_dist"), "rendezvous")
+    return "file://" + os.path.join(scratch_folder("torch_ipc_dist"), "rendezvous")
 
 
 def init_group(url: str, rank: int, world: int, backend: str = "gloo") -> None:

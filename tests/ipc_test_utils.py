@@ -387,6 +387,16 @@ class PickleMarker:
         return (open, (self.path, "w"))
 
 
+def crafted_descriptor(pickled: bytes, tensors=()) -> bytes:
+    """A real descriptor of ``tensors`` whose payload is the pickle ``pickled``,
+    as no dumps() writes it (HELD keeps the tensors: the export lives, for any
+    number of loads, as long as this process)."""
+    from torch_ipc import _serialize
+
+    HELD.setdefault("crafted", []).append(list(tensors))
+    return _serialize.export(list(tensors), [], _serialize._PICKLED + pickled, consumers=2**32 - 1).data
+
+
 def pickled_descriptor(marker: str, shape=(4,)) -> bytes:
     """A descriptor of one tensor whose payload is a pickle that creates
     `marker` when loaded (HELD keeps the tensor: the export lives as long as

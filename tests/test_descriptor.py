@@ -40,7 +40,10 @@ QINT8 = 12
 
 # Errors a load may raise for a descriptor that cannot be loaded. A plain
 # RuntimeError, IndexError or similar is a bug: the caller could not tell it apart.
+# WeightsOnlyError: a changed payload byte that makes the pickle do what a
+# weights_only load refuses (Note [where an object comes from]).
 FAMILY = (
+    torch_ipc.WeightsOnlyError,
     torch_ipc.DescriptorError,
     torch_ipc.ProducerGoneError,
     torch_ipc.ReleasedError,

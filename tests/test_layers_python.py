@@ -10,7 +10,8 @@ lowest first:
             _batched_copy (the batched copy kernels, for kv and weights)
   runtime   _runtime: the collector thread, the exit hook, fork handling
   memory    pool (SharedPool), ipc_event: kinds of memory and events
-  core      _serialize: dumps/loads, the one crossing into _C's export/load;
+  core      _weights_only: what a weights_only load allows (the checks);
+            _serialize: dumps/loads, the one crossing into _C's export/load;
             _export: export() -> Export, revocable
   mp        mp/: the multiprocessing adapters (reductions, channels, connection);
             _dist: the one module that calls torch.distributed (other nodes)
@@ -30,7 +31,7 @@ LAYERS = [
     ("base", ["_C", "errors", "_build_info", "_torch_check", "_cuda", "_process", "_batched_copy"]),
     ("runtime", ["_runtime"]),
     ("memory", ["pool", "ipc_event"]),
-    ("core", ["_serialize", "_export"]),
+    ("core", ["_weights_only", "_serialize", "_export"]),
     ("mp", ["mp", "_dist"]),
     ("features", ["kv", "weights"]),
     ("tools", ["testing", "doctor"]),

@@ -65,13 +65,17 @@ def test_revoke_refuses_later_loads_and_keeps_earlier_ones(consumers):
     assert not e.live
 
 
-def test_revoke_in_the_producer_itself():
+@pytest.mark.parametrize("consumers", [1, 3, None])
+def test_a_load_after_revoke_says_it_was_revoked(consumers, ipc_peer):
     t = torch.arange(4.0)
-    e = torch_ipc.export(t)
-    e.revoke()  # nobody holds it: reclaimed at once
+    e = torch_ipc.export(t, consumers=consumers)
+    e.revoke()  # nobody holds it: reclaimed at once, and still said to be revoked
     assert not e.live
-    with pytest.raises(torch_ipc.ReleasedError):
+    with pytest.raises(torch_ipc.ReleasedError, match="revoked by its producer"):
         torch_ipc.loads(e.data)
+    name, message = ipc_peer.call(_try_load, e.data)
+    assert name == "ReleasedError" and "revoked by its producer" in message, message
+    assert "consumers=N" not in message
 
 
 def test_export_data_loads_as_dumps_does():

@@ -97,7 +97,7 @@ def _crash_at_exit():
 
 def _start_grandpeer():
     _STATE["peer"] = Peer(timeout=60)
-    return _STATE["peer"].pid
+    return _STATE["peer"].pid, _STATE["peer"]._fault_path
 
 
 # ----------------------------------------------------------------------------- run_in_subprocess
@@ -347,10 +347,11 @@ def test_peer_dropped_without_close_is_killed():
 
 def test_peer_child_dies_with_its_parent():
     with Peer(timeout=60) as parent:
-        grandchild = parent.call(_start_grandpeer)
+        grandchild, its_fault_log = parent.call(_start_grandpeer)
         assert not u.process_gone(grandchild, within=0)
         parent.kill()
         assert u.process_gone(grandchild), "a peer's peer must die when the peer is SIGKILLed"
+    os.unlink(its_fault_log)  # its owner, killed, could not (Note [the suite leaves nothing in TMPDIR])
 
 
 # ----------------------------------------------------------------------------- PeerGroup

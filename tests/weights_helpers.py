@@ -1,9 +1,11 @@
 """Functions the weights tests run in child processes (module level, so the
 children import them by name), and the models both sides build."""
 
+import atexit
 import multiprocessing as mp
 import os
 import secrets
+import shutil
 import tempfile
 import time
 from typing import Dict, List, Optional
@@ -37,9 +39,25 @@ def bits(weights: Dict[str, torch.Tensor]) -> Dict[str, bytes]:
     return {n: t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes() for n, t in weights.items()}
 
 
+_FOLDERS: List[str] = []  # made by scratch_folder, removed as this process exits
+
+
+def _remove_folders() -> None:
+    for folder in _FOLDERS:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def scratch_folder(prefix: str) -> str:
+    """A fresh folder in $TMPDIR, removed with what it holds when this process exits."""
+    if not _FOLDERS:
+        atexit.register(_remove_folders)
+    _FOLDERS.append(tempfile.mkdtemp(prefix=prefix))
+    return _FOLDERS[-1]
+
+
 def listener_address():
     """A fresh Unix socket path and authkey."""
-    return os.path.join(tempfile.mkdtemp(prefix="torch_ipc_w"), "sock"), secrets.token_bytes(16)
+    return os.path.join(scratch_folder("torch_ipc_w"), "sock"), secrets.token_bytes(16)
 
 
 def pair(weights, timeout: float = 10.0, **kwargs):

@@ -88,7 +88,7 @@ def loads(data: Union[bytes, bytearray, memoryview], *, weights_only: bool = Tru
     :class:`WeightsOnlyError` (a ``pickle.UnpicklingError``) before it runs,
     and the load spends nothing. ``weights_only=False`` unpickles anything:
     only for bytes from a sender you trust, as with :func:`pickle.loads`
-    (Note [weights_only] in torch_ipc/_serialize.py).
+    (Note [weights_only] in torch_ipc/_weights_only.py).
 
     Raises :class:`DescriptorError` for bytes that are not a valid descriptor of
     this machine's current boot (empty ones included), :class:`ProducerGoneError`

@@ -14,16 +14,17 @@ tensor that requires grad is refused with torch's own message.
 """
 
 import copyreg
-import importlib
 import io
 import os
 import pickle
+import re
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, List, Optional
 
 import torch
 
 from . import _C, _runtime
+from ._weights_only import allowed_global, check_payload, validate_sparse_rebuild
 from .errors import CudaUnavailableError, DescriptorError, WeightsOnlyError
 from .pool import isolate_tensors
 
@@ -91,56 +92,15 @@ def _reduce_unshared_tensor(t: torch.Tensor):
 
 
 def _rebuild_sparse(layout, parts, shape, coalesced, requires_grad):
-    # Indices come from another process: checked, as a corrupt one would read out of bounds.
-    if layout is torch.sparse_coo:
-        t = torch.sparse_coo_tensor(*parts, shape, is_coalesced=coalesced, check_invariants=True)
-    else:
-        t = torch.sparse_compressed_tensor(*parts, shape, layout=layout, check_invariants=True)
+    # Indices come from another process's shared memory: checked on a private
+    # copy (Note [sparse tensors from a peer] in _weights_only.py).
+    *indices, values = parts
+    t = validate_sparse_rebuild(layout, indices, values, shape, coalesced if layout is torch.sparse_coo else None)
     return t.requires_grad_(requires_grad)
 
 
-# Note [weights_only]
-# loads(data, weights_only=True) unpickles the payload with torch.load's
-# allow-list (torch/_weights_only_unpickler.py: containers, primitives,
-# OrderedDict, torch.dtype/device/Size/layout, torch's tensor rebuild
-# functions, and what torch.serialization.add_safe_globals added), plus the
-# rebuilds torch_ipc itself pickles (sparse and meta tensors, IpcEvent, a KV
-# pool, which check what they are given as any load from a peer). Tensors and
-# storages are references into the descriptor's own tables. The check is in
-# find_class: a global that is not on the list raises pickle.UnpicklingError
-# when the unpickler reaches it, before anything calls it, so no code of the
-# payload's choosing runs. The pickle machine itself is the C one (torch's
-# pure-Python unpickler is ~10x slower and wants protocol 2).
-# The default is True, as torch.load's has been since torch 2.6: a descriptor
-# is bytes that may come from a file, a queue or an HTTP endpoint, and what
-# people load is tensors in containers, which need nothing else. Senders of
-# other objects load with weights_only=False from a sender they trust. The
-# channels torch_ipc authenticates itself (Listener/Client, and the
-# multiprocessing reductions, whose pipes multiprocessing already trusts with
-# full pickle) keep full pickle.
-_TORCH_IPC_GLOBALS = {  # path: module, looked up when met (kv and ipc_event import this module)
-    "torch_ipc._serialize._rebuild_sparse": "torch_ipc._serialize",
-    "torch.multiprocessing.reductions.rebuild_meta_tensor": "torch.multiprocessing.reductions",
-    "torch_ipc.ipc_event._rebuild_ipc_event": "torch_ipc.ipc_event",
-    "torch_ipc.kv._load_pool": "torch_ipc.kv",
-}
-
-
-def _allowed_global(module: str, name: str):
-    """The object ``module.name`` if weights_only loads may use it, else None."""
-    from torch import _weights_only_unpickler as allow
-
-    path = f"{module}.{name}"
-    found = allow._get_allowed_globals().get(path)
-    if found is None and hasattr(allow, "_get_user_allowed_globals"):  # torch >= 2.4
-        found = allow._get_user_allowed_globals().get(path)
-    if found is None and path in _TORCH_IPC_GLOBALS:
-        found = getattr(importlib.import_module(_TORCH_IPC_GLOBALS[path]), name)
-    return found
-
-
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, tensors: List[torch.Tensor], weights_only: bool = False):
+    def __init__(self, file, tensors: List[torch.Tensor], weights_only: bool):
         super().__init__(file)
         self._tensors = tensors
         self._weights_only = weights_only
@@ -148,14 +108,7 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if not self._weights_only:
             return super().find_class(module, name)
-        found = _allowed_global(module, name)
-        if found is None:
-            raise WeightsOnlyError(
-                f"torch_ipc.loads(weights_only=True) refused the global {module}.{name} in the payload "
-                "(tensors, containers and the types torch.load(weights_only=True) allows are loaded; "
-                "Note [weights_only] in torch_ipc/_serialize.py). Load with weights_only=False only "
-                f"from a sender you trust, or allow it with torch.serialization.add_safe_globals([{name}])")
-        return found
+        return allowed_global(module, name)  # Note [weights_only] in _weights_only.py
 
     def persistent_load(self, pid):
         try:
@@ -167,6 +120,41 @@ class _Unpickler(pickle.Unpickler):
         except (TypeError, ValueError, IndexError, RuntimeError):
             raise pickle.UnpicklingError(f"torch_ipc: bad tensor reference {pid!r}") from None
         return tensor.untyped_storage() if kind == _STORAGE else tensor
+
+
+class _Reached(Exception):
+    """Raised by _PlainUnpickler at the first global or tensor reference."""
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """The C unpickler for a payload that names no global and no tensor
+    (Note [weights_only] in _weights_only.py): stops at the first of them."""
+
+    def find_class(self, module, name):
+        raise _Reached
+
+    def persistent_load(self, pid):
+        raise _Reached
+
+
+# A memo index the C unpickler would size its memo for (~16 bytes each) past
+# 2**16 entries: LONG_BINPUT with a high byte set, PUT with 6 or more digits.
+# Payloads where these bytes occur, even inside a string, go to the walk,
+# which bounds every index (Note [where an object comes from]).
+_LARGE_MEMO_INDEX = re.compile(rb"r..[^\x00]|r...[^\x00]|p[^\n]{6}", re.DOTALL)
+
+
+def _load_weights_only(pickled, tensors: List[torch.Tensor]) -> Any:
+    """The object of a pickle in a weights_only load (Note [weights_only] in _weights_only.py)."""
+    if not _LARGE_MEMO_INDEX.search(pickled):
+        try:
+            return _PlainUnpickler(io.BytesIO(pickled)).load()
+        except _Reached:
+            pass
+        except MemoryError:  # a declared size past the payload (BINBYTES8): the walk says which
+            pass
+    check_payload(bytes(pickled))
+    return _Unpickler(io.BytesIO(pickled), tensors, True).load()
 
 
 # Note [payload fast paths]
@@ -379,9 +367,9 @@ def _ensure_cuda() -> None:
     _cuda_ready = True
 
 
-def loads(data: bytes, *, weights_only: bool = False) -> Any:
-    """:func:`torch_ipc.loads`, with full pickle by default: for the channels
-    torch_ipc authenticates itself (Note [weights_only])."""
+def loads(data: bytes, *, weights_only: bool) -> Any:
+    """:func:`torch_ipc.loads`. No default: every caller says whether it
+    trusts the sender (full pickle) or not (Note [weights_only] in _weights_only.py)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"torch_ipc.loads() takes the bytes that dumps() returned, not {type(data).__name__}"
                         + ("; keep descriptors as bytes (files opened 'rb'/'wb')" if isinstance(data, str) else ""))
@@ -396,7 +384,7 @@ def loads(data: bytes, *, weights_only: bool = False) -> Any:
     # load spends last] in core/import.cpp): the tensors die with their holds,
     # and the token stays for a retry. Only a complete load commits.
     tensors, is_parameter, payload, pending = _C.load(data, None if _cuda_ready else _ensure_cuda)
-    obj = _rebuild(tensors, is_parameter, payload, weights_only)
+    obj = _rebuild(tensors, is_parameter, payload, weights_only=weights_only)
     pending.commit()
     return obj
 
@@ -426,7 +414,7 @@ def load_single_tensor(data: bytes) -> torch.Tensor:
     return tensors[0]
 
 
-def _rebuild(tensors, is_parameter, payload: bytes, weights_only: bool) -> Any:
+def _rebuild(tensors, is_parameter, payload: bytes, *, weights_only: bool) -> Any:
     """The object of a payload, on the tensors of its load (``is_parameter``:
     None when no tensor is an nn.Parameter, Note [a load's Python objects] in
     csrc/python/core.cpp)."""
@@ -444,14 +432,18 @@ def _rebuild(tensors, is_parameter, payload: bytes, weights_only: bool) -> Any:
         elif tag == _TUPLE:
             return tuple(tensors)
         elif tag == _DICT:
-            keys = _Unpickler(io.BytesIO(payload[1:]), [], weights_only).load()
+            pickled = memoryview(payload)[1:]
+            keys = _load_weights_only(pickled, []) if weights_only else pickle.loads(pickled)
             if type(keys) is list and len(keys) == len(tensors):
                 return dict(zip(keys, tensors))
         elif tag == _PICKLED:
-            if not tensors and not weights_only:  # nothing to resolve or refuse: the C unpickler alone
-                return pickle.loads(memoryview(payload)[1:])
-            return _Unpickler(io.BytesIO(payload[1:]), tensors, weights_only).load()
-    except WeightsOnlyError:
+            pickled = memoryview(payload)[1:]
+            if weights_only:
+                return _load_weights_only(pickled, tensors)
+            if not tensors:  # nothing to resolve: the C unpickler alone
+                return pickle.loads(pickled)
+            return _Unpickler(io.BytesIO(pickled), tensors, False).load()
+    except (WeightsOnlyError, DescriptorError):
         raise
     except Exception as e:
         raise DescriptorError(f"torch_ipc descriptor payload does not unpickle: {e!r}") from e

@@ -31,8 +31,15 @@ struct alignas(128) Slot {
 // Note [revoked exports]
 // The producer's revoke() (torch_ipc.Export.revoke) forbids loads from then on:
 // a load registers its hold, then finds the flag and gives up, as it does for
-// a changed generation. Loads that got through before keep their holds.
+// a changed generation. Loads that got through before keep their holds. The
+// flag word also keeps the low 31 bits of the revoked export's generation, and
+// keeps them after the slot is reclaimed, until the slot is handed to another
+// export: a load that comes late then says that the export was revoked, not
+// that its consumers released it.
 constexpr uint32_t kLoadsForbidden = 1;
+uint32_t revoked_flags(uint64_t generation) {
+  return kLoadsForbidden | (static_cast<uint32_t>(generation) << 1);
+}
 static_assert(sizeof(Slot) == 128, "slot layout is part of the protocol");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need address-free atomics");
 
@@ -82,7 +89,7 @@ class Leases {
     Slot* s = slot(lease);
     std::lock_guard<std::mutex> lock(mu_);
     if (s->generation.load() != lease.generation) return;
-    s->flags.fetch_or(kLoadsForbidden);
+    s->flags.store(revoked_flags(lease.generation));
     s->tokens.store(0);
   }
 
@@ -254,12 +261,19 @@ bool has_living_holder(Slot* s) {
                  std::to_string(lease.owner.pid) + "): it can no longer be loaded");
 }
 
-[[noreturn]] void throw_released(const LeaseRecord& lease) {
+[[noreturn]] void throw_released_by_consumers(const LeaseRecord& lease) {
   throw Released("torch_ipc: this export was already released by its producer (pid " +
                  std::to_string(lease.owner.pid) +
                  "): every consumer it was sent to has loaded and released it. "
                  "Pass consumers=N to dumps() to share one descriptor with N loads, or "
                  "consumers=None for any number of loads while the producer keeps the tensors.");
+}
+
+// The export of `lease` is gone from its slot: revoked (Note [revoked
+// exports]) or released by its consumers; say which.
+[[noreturn]] void throw_released(const Slot* s, const LeaseRecord& lease) {
+  if (s->flags.load() == revoked_flags(lease.generation)) throw_revoked(lease);
+  throw_released_by_consumers(lease);
 }
 
 // Register n holds under `holder` (a pid, or a forwarder's delivery word),
@@ -275,7 +289,7 @@ void hold_as(Slot* s, const LeaseRecord& lease, uint32_t holder, uint32_t n) {
                       "loaded before more load it.");
   if (s->generation.load() != lease.generation) {
     remove_holder(s, holder, n);
-    throw_released(lease);
+    throw_released(s, lease);
   }
   if (s->flags.load() & kLoadsForbidden) {  // Note [revoked exports]
     remove_holder(s, holder, n);
@@ -367,7 +381,7 @@ void lease_abandon(const LeaseRecord& lease) noexcept {
 
 bool lease_names_holder(const LeaseRecord& lease, uint32_t pid) {
   Slot* s = Leases::get().slot(lease);
-  if (s->generation.load() != lease.generation) throw_released(lease);
+  if (s->generation.load() != lease.generation) throw_released(s, lease);
   for (auto& h : s->holders) {
     const uint64_t w = h.load();
     if (w != 0 && (holder_pid(w) & ~kDeliveryBit) == pid) return true;
@@ -377,7 +391,7 @@ bool lease_names_holder(const LeaseRecord& lease, uint32_t pid) {
 
 void lease_take_token(const LeaseRecord& lease, bool take) {
   Slot* s = Leases::get().slot(lease);
-  if (s->generation.load() != lease.generation) throw_released(lease);
+  if (s->generation.load() != lease.generation) throw_released(s, lease);
   if (s->flags.load() & kLoadsForbidden) throw_revoked(lease);
   if (take) take_one_token(s);
 }

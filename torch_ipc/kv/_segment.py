@@ -48,7 +48,7 @@ def _receive_pool(source: Any, cls: type) -> Any:
         return source
     if isinstance(source, (bytes, bytearray, memoryview)):
         try:
-            pool = _serialize.loads(bytes(source))
+            pool = _serialize.loads(bytes(source), weights_only=True)  # bytes from anywhere: the allow-list
         except DescriptorError as e:  # loads wraps what unpickling raised: say what it was
             if isinstance(e.__cause__, (ReleasedError, ProducerGoneError, PoolCorruptedError, TimeoutError)):
                 raise e.__cause__ from None

@@ -71,7 +71,8 @@ _CONFIG_KEY = "torch_ipc.reductions"
 
 
 def _rebuild(descriptor: bytes):
-    return _serialize.loads(descriptor)
+    # inside a message of multiprocessing's own channels, which unpickle it with full pickle already
+    return _serialize.loads(descriptor, weights_only=False)
 
 
 class _Message:

@@ -158,7 +158,8 @@ class Connection:
 
     def recv(self) -> Any:
         """Receive one message and rebuild it on the sender's memory."""
-        return _serialize.loads(self._conn.recv_bytes())
+        # authenticated by its authkey: full pickle (Note [weights_only] in _weights_only.py)
+        return _serialize.loads(self._conn.recv_bytes(), weights_only=False)
 
     def send_bytes(self, buf: Any, offset: int = 0, size: Optional[int] = None) -> None:
         """Send raw bytes, as ``multiprocessing.connection.Connection.send_bytes``."""

@@ -97,7 +97,7 @@ class Subscriber:
 
     def _attach(self, share: Share) -> None:
         self._detach()
-        state = _serialize.loads(share.descriptor, weights_only=True)  # Note [weights_only] in _serialize.py
+        state = _serialize.loads(share.descriptor, weights_only=True)  # Note [weights_only] in _weights_only.py
         counters = ctl.Counters(state["control"])
         me = ctl.self_word()
         claimed = counters.compare_exchange(ctl.slot_index(share.slot, ctl.OWNER), -1, me)
