@@ -405,19 +405,23 @@ std::string path_of_server(const ProcessId& owner, uint32_t tag, sockaddr_un* ad
   return path;
 }
 
-// The server must be of our uid, and `owner` itself where its pid means
-// something here: SO_PEERCRED gives 0, or another process's number, for a
-// peer of another PID namespace (Note [whose pid] in process.cpp).
+// The server must be `owner` itself where its pid means something here, and
+// of our uid elsewhere: SO_PEERCRED gives 0, or another process's number, for
+// a peer of another PID namespace (Note [whose pid] in process.cpp).
 void check_server(int sock, const ProcessId& owner, const std::string& where) {
   ucred cred{};
   socklen_t clen = sizeof(cred);
   if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0)
     throw_os_error("getsockopt(SO_PEERCRED)", "of " + where);
+  // Where the pid is visible it is the proof; a producer of another uid then
+  // answers with its own refusal (EACCES), which the caller reads.
+  const bool visible = pid_visible(owner);
   const bool other_uid = cred.uid != geteuid();
-  if (!other_uid && (!pid_visible(owner) || static_cast<uint32_t>(cred.pid) == owner.pid)) return;
+  if (visible ? static_cast<uint32_t>(cred.pid) == owner.pid : !other_uid) return;
   const std::string served = "the socket " + where + " is served by pid " + std::to_string(cred.pid) +
-                             " of uid " + std::to_string(cred.uid) + ", not by the producer (" +
-                             pid_text(owner) + "); refusing to take file descriptors from it";
+                             (other_uid ? " of uid " + std::to_string(cred.uid) : std::string()) +
+                             ", not by the producer (" + pid_text(owner) +
+                             "); refusing to take file descriptors from it";
   if (!process_alive(owner)) throw producer_gone(owner.pid, served);
   // A living producer whose name another process holds: a peer outside the
   // protocol, so EPROTO; the message names the squatter to look for.

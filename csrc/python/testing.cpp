@@ -38,7 +38,7 @@ void bind_testing(py::module_& m) {
   testing.def(
       "fd_fetch",
       [](uint32_t pid, uint64_t start_time, uint64_t id, const std::vector<int>& remote_fds,
-         const std::string& mode) {
+         const std::string& mode, uint32_t life, uint32_t pidns) {
         FdTransport t = mode.empty() ? fd_transport_from_env()
                         : mode == "socket" ? FdTransport::Socket
                         : mode == "pidfd"  ? FdTransport::Pidfd
@@ -46,14 +46,16 @@ void bind_testing(py::module_& m) {
         std::vector<ReceivedItem> items;
         {
           py::gil_scoped_release release;
-          items = fd_fetch(ProcessId{pid, start_time}, id, remote_fds, t);
+          items = fd_fetch(ProcessId{pid, start_time, life, pidns}, id, remote_fds, t);
         }
         py::list out;  // (fd, size) pairs; the caller owns and closes the fds
         for (auto& item : items) out.append(py::make_tuple(item.fd.release(), item.size));
         return out;
       },
       py::arg("pid"), py::arg("start_time"), py::arg("id"), py::arg("remote_fds"),
-      py::arg("mode") = "");
+      py::arg("mode") = "", py::arg("life") = 0, py::arg("pidns") = 0);
+  // The fd server's socket at a path (Note [fd server at a path]), or "".
+  testing.def("fd_server_path", &fd_server_path);
   // The VMM handle field codec (csrc/vmm_handle.h), for its CPU tests.
   testing.def(
       "vmm_handle_encode",
