@@ -162,3 +162,38 @@ def test_pidfd_is_never_used_on_a_pid_of_another_namespace():
         assert got["error"] in ("OSError", "ProcessLookupError") and "another PID namespace" in got["message"], got
         (auto,) = run_namespaced("fetch_fds", *map(str, pub["identity"]), str(pub["id"]), "auto", str(pub["fd"]))
         assert auto == {"contents": ["x"]}, auto
+
+
+# ----------------------------------------------------------------------------- GPU (issue 29's table)
+
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def _export_cuda_to_file(path: str) -> dict:
+    x = torch.arange(6.0, device="cuda")
+    e = torch_ipc.export(x, consumers=1)
+    torch.cuda.synchronize()
+    u.HELD["x"], u.HELD["export"] = x, e
+    with open(path, "wb") as f:
+        f.write(e.data)
+    return dict(kind=torch_ipc._C.describe(e.data)["allocs"][0]["kind"], fd_stats=_C.stats()["fd_served"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("env, kind", [({}, 1), (EXPANDABLE, 2)], ids=["cudaMalloc", "expandable-segments"])
+def test_cuda_memory_reaches_a_consumer_in_other_namespaces(tmp_path, env, kind):
+    # In a new PID namespace pidfd_getfd cannot name the producer, and in a new
+    # network namespace its abstract socket cannot be reached: VMM fds take the
+    # socket folder; legacy IPC handles need neither.
+    path = str(tmp_path / "x.tipc")
+    with Peer(timeout=120, env=env) as producer:
+        made = producer.call(_export_cuda_to_file, path)
+        assert made["kind"] == kind
+        with NamespacedChild("load", path, "write", "hold", timeout=120) as consumer:
+            got = consumer.next()
+            assert got.get("values") == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], got
+            assert producer.call(_held_values) == got["values"]
+            if kind == 2:
+                assert producer.call(_fd_served) == made["fd_stats"] + 1
+            consumer.kill()
+            assert producer.call(_export_reclaimed)

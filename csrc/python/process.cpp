@@ -2,6 +2,7 @@
 // "is that process still running" of torch_ipc, pid AND start time, so a pid
 // that was recycled never passes for the process that had it.
 #include "os/process.h"
+#include "os/socket_dir.h"
 #include "python/bindings.h"
 
 namespace torch_ipc::python {
@@ -30,6 +31,14 @@ void bind_process(py::module_& m) {
       "namespace, by its life file in another.");
   m.def("pid_namespace", &own_pid_namespace,
         "The inode of this process's PID namespace, 0 when /proc is not mounted for it.");
+  m.def(
+      "socket_dir",
+      [] {
+        std::string why;
+        const std::string dir = usable_socket_dir(/*create=*/false, &why);
+        return py::make_tuple(socket_dir(), dir.empty() ? why : std::string());
+      },
+      "(the socket folder, why it cannot be used or ''): Note [socket folder] in os/socket_dir.h.");
   m.def("life_file_error", &life_file_error, "The errno of the last failed attempt to make the life file, else 0.");
 }
 
