@@ -87,6 +87,7 @@ def test_a_cpu_tensor_goes_through_a_file_to_a_consumer_in_other_namespaces(tmp_
         (got,) = run_namespaced("load", path, "write")
         assert "error" not in got, got
         assert got["pidns"] != host["pidns"] and got["values"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+        assert got["lease_segments"] == 1, "a collection took the living producer for dead"
         assert producer.call(_held_values) == got["values"]  # the same memory
 
 

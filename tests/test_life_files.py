@@ -8,7 +8,9 @@ import resource
 import signal
 import stat
 import struct
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -147,9 +149,16 @@ def _server_path_with(folder: str) -> str:
     return _C._testing.fd_server_path()
 
 
+@pytest.fixture
+def short_folder():
+    """A folder with a short path: a socket's path must fit 107 bytes."""
+    with tempfile.TemporaryDirectory(prefix="tipc", dir="/tmp") as d:
+        yield Path(d)
+
+
 @pytest.mark.parametrize("mode", [0o755, 0o700])
-def test_the_socket_folder_must_be_this_uids_with_mode_0700(tmp_path, mode):
-    folder = tmp_path / "sockets"
+def test_the_socket_folder_must_be_this_uids_with_mode_0700(short_folder, mode):
+    folder = short_folder / "sockets"
     folder.mkdir()
     folder.chmod(mode)
     with Peer(timeout=60, env={"TORCH_IPC_SOCKET_DIR": str(folder)}) as peer:

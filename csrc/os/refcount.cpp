@@ -116,7 +116,9 @@ class Leases {
                               std::to_string(lease.segment));
       return slot_in(it->second.get(), lease.slot);
     }
-    auto key = std::make_tuple(lease.owner.pid, lease.owner.start_time, lease.segment);
+    // The life key too: a descriptor that names another one for this segment
+    // gets a mapping of its own, judged by what it said.
+    auto key = std::make_tuple(lease.owner.pid, lease.owner.start_time, lease.owner.life, lease.segment);
     auto it = foreign_.find(key);
     if (it == foreign_.end()) {
       const std::string name = lease_segment_name(lease.owner, lease.segment);
@@ -129,9 +131,9 @@ class Leases {
                        ") no longer shares lease segment " + name +
                        " (it is exiting, or the descriptor is not from it)");
       }
-      it = foreign_.emplace(key, std::move(mapping)).first;
+      it = foreign_.emplace(key, Foreign{lease.owner, std::move(mapping)}).first;
     }
-    return slot_in(it->second.get(), lease.slot);
+    return slot_in(it->second.mapping.get(), lease.slot);
   }
 
   // Unmap the segments of producers that exited: nobody reads their counters
@@ -139,8 +141,8 @@ class Leases {
   void drop_dead_foreign() {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = foreign_.begin(); it != foreign_.end();) {
-      ProcessId owner{std::get<0>(it->first), std::get<1>(it->first)};
-      if (process_alive(owner)) {
+      // The whole identity: a pid of another PID namespace says nothing here.
+      if (process_alive(it->second.owner)) {
         ++it;
       } else {
         it = foreign_.erase(it);
@@ -196,7 +198,11 @@ class Leases {
 
   std::mutex mu_;
   std::map<uint32_t, std::unique_ptr<ShmMapping>> own_;
-  std::map<std::tuple<uint32_t, uint64_t, uint32_t>, std::unique_ptr<ShmMapping>> foreign_;
+  struct Foreign {
+    ProcessId owner;  // as the descriptors that name it say
+    std::unique_ptr<ShmMapping> mapping;
+  };
+  std::map<std::tuple<uint32_t, uint64_t, uint32_t, uint32_t>, Foreign> foreign_;
   std::vector<std::pair<uint32_t, uint32_t>> free_;
   uint64_t next_generation_ = 0;
   uint32_t anchor_ = 0;  // the first own segment: the anchor of host segments

@@ -13,14 +13,9 @@
 #include "wire/vmm_handle.h"
 
 namespace torch_ipc::python {
+namespace {
 
-void bind_testing(py::module_& m) {
-  py::module_ testing = m.def_submodule("_testing", "primitives torch_ipc's own tests drive directly");
-  testing.def("vmm_mapping_view", &vmm_mapping_view, py::arg("tensor"));
-  testing.def("kv_stall_mid_operation", [](BlockAllocator& a) {
-    py::gil_scoped_release release;
-    a.stall_mid_operation_for_tests();
-  });
+void bind_fd_testing(py::module_& testing) {
   // fd passing primitives: publish fds of this process, fetch another's.
   // The socket that serves export `id` of a process (Note [fd server name]).
   testing.def("fd_socket_name", [](uint32_t pid, uint64_t start_time, uint64_t id) {
@@ -56,6 +51,18 @@ void bind_testing(py::module_& m) {
       py::arg("mode") = "", py::arg("life") = 0, py::arg("pidns") = 0);
   // The fd server's socket at a path (Note [fd server at a path]), or "".
   testing.def("fd_server_path", &fd_server_path);
+}
+
+}  // namespace
+
+void bind_testing(py::module_& m) {
+  py::module_ testing = m.def_submodule("_testing", "primitives torch_ipc's own tests drive directly");
+  testing.def("vmm_mapping_view", &vmm_mapping_view, py::arg("tensor"));
+  testing.def("kv_stall_mid_operation", [](BlockAllocator& a) {
+    py::gil_scoped_release release;
+    a.stall_mid_operation_for_tests();
+  });
+  bind_fd_testing(testing);
   // The VMM handle field codec (csrc/vmm_handle.h), for its CPU tests.
   testing.def(
       "vmm_handle_encode",
