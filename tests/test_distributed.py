@@ -188,11 +188,11 @@ def test_kv_pieces_runs_straight_and_short_runs_gathered():
     own (cut at the piece size), shorter runs are packed into gathered pieces,
     and a run across two chunks is two runs."""
     from torch_ipc.kv import SharedKVPool
-    from torch_ipc.kv.remote import DIRECT_MIN_BYTES, _encode_lengths, _Memory, _plan
+    from torch_ipc.kv.remote import DIRECT_MIN_BYTES, _ChunkRuns, _encode_lengths, _plan
 
     pool = SharedKVPool(64, (DIRECT_MIN_BYTES // 4,), torch.float16)  # blocks of half DIRECT_MIN_BYTES
     try:
-        memory = _Memory(pool)
+        memory = _ChunkRuns(pool)
         ids = [0, 1, 2, 3, 4, 9, 7, 11, 12, 13, 20, 30, 31, 40, 50]
         # runs: 0-4 (5), 9, 7, 11-13 (3), 20, 30-31 (2), 40, 50
         assert list(memory.runs(ids)) == [(0, 5), (5, 6), (6, 7), (7, 10), (10, 11), (11, 13), (13, 14), (14, 15)]

@@ -86,7 +86,7 @@ def churn(data: bytes, rounds: int, seed: int) -> int:
 
 def stall_inside_allocator() -> None:
     """Take the allocator's lock, leave it half-updated and hang (the test kills us)."""
-    torch_ipc._C._testing.kv_stall_mid_operation(u.HELD["pool"]._allocator)
+    torch_ipc._C._testing.kv_stall_mid_operation(u.HELD["pool"]._state.allocator)
 
 
 def write_and_send(address, data: bytes, n: int, value: int, device: str, slow: bool = False) -> list:
@@ -195,7 +195,7 @@ def test_attach_errors():
         torch_ipc.kv._load_pool("/etc/passwd", os.getpid(), 0)
     pool = SharedKVPool(4, SHAPE, torch.int32)
     data = torch_ipc.dumps(pool)
-    name = pool._name
+    name = pool._state.name
     pool.close()
     with pytest.raises(torch_ipc.ReleasedError, match="closed by its owner"):
         torch_ipc.kv._load_pool(name, *torch_ipc._C.self_process())
@@ -397,7 +397,8 @@ def test_hand_over_errors(pool, ipc_peer):
     theirs = ipc_peer.call(allocate, 3)
     pid, start = ipc_peer.call(self_process)
     ipc_peer.call(close_pool)
-    message = ("torch_ipc.kv/1", pool._name, 1, pid, start, True, torch_ipc.kv._ids.pack(theirs).tobytes(), None, None)
+    message = ("torch_ipc.kv/1", pool._state.name, 1, pid, start, True, torch_ipc.kv._ids.pack(theirs).tobytes(),
+               None, None)
     a.send(message)
     with pytest.raises(ValueError, match="no longer attached"):
         pool.recv(b)
@@ -474,22 +475,23 @@ def test_kernel_tables_copy_what_index_select_does(shape, dtype, min_items):
     bad ids are refused before a table is made."""
     gen = torch.Generator().manual_seed(u.new_seed())
     with SharedKVPool(4, shape, dtype, blocks_per_chunk=2, max_blocks=7) as pool:
-        assert [first for first, _, _ in pool._spans()] == [0, 2]
+        assert [first for first, _, _ in pool._copies.spans()] == [0, 2]
         pool.grow(3)  # the cached chunk addresses follow
-        assert [(first + i, base + i * pool.block_bytes) for first, n, base in pool._spans() for i in range(n)] == \
+        spans = pool._copies.spans()
+        assert [(first + i, base + i * pool.block_bytes) for first, n, base in spans for i in range(n)] == \
             [(i, pool.block(i).data_ptr()) for i in range(7)]
         for chunk in pool.chunks:
             chunk.copy_(u.random_tensor(chunk.shape, dtype, gen))
         ids = [6, 0, 3, 3, 5, 2, 1]
         out = torch.zeros((len(ids), *shape), dtype=dtype)
-        u.run_table_on_cpu(pool._table(pack(ids), out, into_rows=True, pin=False, min_items=min_items))
+        u.run_table_on_cpu(pool._copies.table(pack(ids), out, into_rows=True, pin=False, min_items=min_items))
         assert u.bits(out) == u.bits(pool.gather(ids)) and pool.copy_path == "index_select (CPU pool)"
         src, targets = u.random_tensor((3, *shape), dtype, gen), [4, 0, 2]
-        u.run_table_on_cpu(pool._table(pack(targets), src, into_rows=False, pin=False, min_items=min_items))
+        u.run_table_on_cpu(pool._copies.table(pack(targets), src, into_rows=False, pin=False, min_items=min_items))
         assert [u.bits(pool.block(b)) for b in targets] == [u.bits(row) for row in src]
         for bad in ([0, 7], [-1, 2]):
             with pytest.raises(IndexError, match="out of range"):
-                pool._table(pack(bad), out[:2], into_rows=True, pin=False, min_items=1)
+                pool._copies.table(pack(bad), out[:2], into_rows=True, pin=False, min_items=1)
 
 
 def attach_error(data: bytes) -> str:

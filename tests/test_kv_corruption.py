@@ -38,7 +38,7 @@ def make_pool_and_hold() -> tuple:
     for b in ids:
         pool.block(b).fill_(os.getpid())
     u.HELD["kv"] = (pool, ids)
-    return torch_ipc.dumps(pool), pool._name, ids, pool._allocator.field_offsets()
+    return torch_ipc.dumps(pool), pool._state.name, ids, pool._state.allocator.field_offsets()
 
 
 def attach_and_hold(data: bytes) -> list:
@@ -242,7 +242,7 @@ def test_a_chunk_record_holding_a_pickle_is_never_unpickled(tmp_path, ipc_peer):
         torch_ipc.loads(descriptor, weights_only=False).close()  # the bait works: a full unpickle runs it
         assert os.path.exists(marker)
         os.unlink(marker)
-        seg = Segment(pool._name, pool._allocator.field_offsets())
+        seg = Segment(pool._state.name, pool._state.allocator.field_offsets())
         seg.chunk(0, "descriptor_bytes", len(descriptor))
         seg.chunk(0, "descriptor", descriptor)
         seg.map.close()
@@ -259,7 +259,7 @@ def test_a_chunk_record_of_a_strided_tensor_is_refused(ipc_peer):
     with SharedKVPool(BLOCKS, SHAPE, torch.int64) as pool:
         strided = torch.zeros(BLOCKS, *SHAPE, 2, dtype=torch.int64)[..., 0]  # the pool's shape, every other element
         exported = _serialize.export_single_tensor(strided, consumers=2)
-        seg = Segment(pool._name, pool._allocator.field_offsets())
+        seg = Segment(pool._state.name, pool._state.allocator.field_offsets())
         seg.chunk(0, "descriptor_bytes", len(exported.data))
         seg.chunk(0, "descriptor", exported.data)
         seg.map.close()

@@ -1,5 +1,5 @@
 """SharedKVPool.gather/scatter on GPUs through torch_ipc's batched copy kernel
-(Note [kv copies] in torch_ipc/kv/_memory.py): bit for bit what index_select
+(Note [kv copies] in torch_ipc/kv/_copies.py): bit for bit what index_select
 gives, over pools of several chunks, blocks of sizes that are not multiples
 of 16 bytes, odd dtypes, buffers off alignment; the host does not wait; bad
 arguments are refused before anything is copied. Skipped without CUDA (the

@@ -71,3 +71,20 @@ def test_readme_api_table_lists_every_public_name():
     public = set(torch_ipc.__all__) | {f"weights.{name}" for name in torch_ipc.weights.__all__} \
         | {f"kv.{name}" for name in torch_ipc.kv.__all__}
     assert public <= listed, sorted(public - listed)
+
+
+def test_readme_links_every_docs_page_and_every_link_resolves():
+    # The README is what a user reads first; the rest lives in docs/, and a
+    # page nobody links to is a page nobody finds.
+    readme = REPO / "README.md"
+    docs = REPO / "docs"
+    if not readme.is_file() or not docs.is_dir():
+        pytest.skip("needs the source tree's README.md and docs/")
+    pages = {p.name for p in docs.glob("*.md")}
+    texts = {"README.md": readme.read_text()} | {f"docs/{p}": (docs / p).read_text() for p in pages}
+    linked = set(re.findall(r"\]\(docs/([\w.-]+\.md)\)", texts["README.md"]))
+    assert pages <= linked, f"docs pages the README does not link: {sorted(pages - linked)}"
+    for name, text in texts.items():
+        base = (REPO / name).parent
+        for target in re.findall(r"\]\((?!https?://|#)([^)#\s]+)", text):
+            assert (base / target).exists(), f"{name} links to {target}, which does not exist"

@@ -121,7 +121,7 @@ def test_another_uid_recreating_a_closed_pools_segment_runs_nothing(ipc_spawn, t
     marker = str(tmp_path / "pickle-ran")
     bait = u.pickled_descriptor(marker, shape=(4, 2, 4))
     pool = SharedKVPool(4, (2, 4), torch.int64)
-    data, name, fields = torch_ipc.dumps(pool), pool._name, pool._allocator.field_offsets()
+    data, name, fields = torch_ipc.dumps(pool), pool._state.name, pool._state.allocator.field_offsets()
     path = "/dev/shm" + name
     with open(path, "rb") as f:
         content = bytearray(f.read())

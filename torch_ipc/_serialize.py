@@ -403,7 +403,7 @@ def loads(data: bytes, *, weights_only: bool = False) -> Any:
 
 # Note [single-tensor descriptors]
 # Descriptors that torch_ipc keeps where other processes can write (a KV
-# pool's chunk records, Note [chunk records are data] in kv/_segment.py) hold
+# pool's chunk records, Note [chunk records are data] in kv/_chunks.py) hold
 # one tensor and nothing else: a payload of tag _SINGLE, no pickle. They are
 # loaded by load_single_tensor, which refuses any other payload before reading
 # it, so nothing read from shared memory is ever unpickled.

@@ -176,8 +176,8 @@ def check_cuda() -> List[Row]:
             rows.append(Row(f"CUDA IPC cuda:{i}", OK, what + "; a round trip through another process works"))
         else:
             rows.append(Row(f"CUDA IPC cuda:{i}", FAIL, f"{what}; a round trip failed: {problem}",
-                            "run the consumer as the same user on this machine; see the README's "
-                            "troubleshooting for the error above"))  # fmt: skip
+                            "run the consumer as the same user on this machine; see docs/troubleshooting.md "
+                            "in torch_ipc's source for the error above"))  # fmt: skip
     if count > 1:
         missing = [f"{i}->{j}" for i, a in enumerate(attrs) for j, ok in enumerate(a["peers"]) if not ok]
         matrix = " ".join("".join("x" if ok else "." for ok in a["peers"]) for a in attrs)

@@ -17,11 +17,13 @@ default, so the memory outlives its owner), and one shared memory segment
 the holder of every block. A pickle of the pool is only the segment's name, so
 any pickler carries it; whoever loads it attaches.
 
-The package, one module a part: ``pool`` (the class and its state),
-``_segment`` (attaching, chunks, growth: Note [growing a pool]), ``_memory``
-(blocks, gather, scatter), ``_ownership`` (allocate, free: Note [deferred
-free]), ``_handover`` (send, recv: Note [hand-over]), ``_lifetime`` (close,
-fork), ``_registry`` (the pools open here), ``_ids``, ``_errors``.
+The package: ``pool`` (the facade, SharedKVPool, over parts that share
+one declared state, ``_state.PoolState``), ``_chunks`` (mapping chunks,
+growth: Note [growing a pool]), ``_copies`` (gather, scatter: Note [kv
+copies]), ``_ownership`` (allocate, free: Note [deferred free]),
+``_handover`` (send, recv: Note [hand-over]), ``_lifetime`` (close, fork),
+``_segment`` (attaching), ``_registry`` (the pools open here), ``_ids``,
+``_errors``; ``remote`` moves blocks to another node.
 """
 from ._errors import LayoutMismatchError, OutOfBlocksError, PoolCorruptedError
 from ._handover import Handover

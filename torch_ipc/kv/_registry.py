@@ -3,7 +3,6 @@ already open here returns that object (one holder slot per process and pool),
 and the background collector reclaims dead holders' blocks in each."""
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from typing import Any, Optional
@@ -14,15 +13,15 @@ _open_pools: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictiona
 _open_lock = threading.Lock()
 
 
-def register(pool: Any) -> None:
+def register(name: str, pool: Any) -> None:
     with _open_lock:
-        _open_pools[pool._name] = pool
+        _open_pools[name] = pool
 
 
-def unregister(pool: Any) -> None:
+def unregister(name: str, pool: Any) -> None:
     with _open_lock:
-        if _open_pools.get(pool._name) is pool:
-            del _open_pools[pool._name]
+        if _open_pools.get(name) is pool:
+            del _open_pools[name]
 
 
 def find(name: str) -> Optional[Any]:
@@ -34,8 +33,6 @@ def _reclaim_dead_holders() -> None:
     with _open_lock:
         pools = list(_open_pools.values())
     for pool in pools:
-        if pool._pid != os.getpid():  # a forked child's inherited pool: not used here yet
-            continue
         try:
             pool._reclaim_unless_busy()
         except Exception:  # a pool closed meanwhile, or corrupted: its users are told

@@ -7,7 +7,7 @@
     >>>                                                 # pool.gather(h.ids)            # doctest: +SKIP
 
 Note [KV blocks across nodes]
-The local hand-over (Note [hand-over] in torch_ipc/kv/__init__.py) passes
+The local hand-over (Note [hand-over] in torch_ipc/kv/_handover.py) passes
 ids; across nodes the bytes must move. ``send_blocks`` cuts the ids into
 pieces of at most ``staging_bytes`` and sends a JSON header (count, layout,
 meta, the pieces' lengths run-length encoded), then the pieces. A piece is
@@ -70,7 +70,7 @@ class RemoteHandover(NamedTuple):
     src: int
 
 
-class _Memory:
+class _ChunkRuns:
     """Where consecutive blocks of a pool lie: one view of a chunk per run."""
 
     def __init__(self, pool: SharedKVPool):
@@ -104,7 +104,7 @@ class _Memory:
                 lo, chunk = i, self._chunk(ids[i])
 
 
-def _plan(memory: _Memory, ids: Sequence[int], piece: int, direct_min: int) -> List[int]:
+def _plan(memory: _ChunkRuns, ids: Sequence[int], piece: int, direct_min: int) -> List[int]:
     """The lengths of the pieces (Note [KV blocks across nodes]): runs of at
     least `direct_min` blocks cut into pieces of at most `piece`, shorter runs
     packed together into pieces of `piece` blocks to gather."""
@@ -212,7 +212,7 @@ def send_blocks(
     transport = Transport(group)
     transport.check_device(pool.chunks[0] if pool.chunks else pool.block(ids[0]))
     piece = max(1, min(len(ids), int(staging_bytes) // pool.block_bytes))
-    memory = _Memory(pool)
+    memory = _ChunkRuns(pool)
     direct_min = piece if pool.device.type == "cuda" else -(-DIRECT_MIN_BYTES // pool.block_bytes)
     lengths = _plan(memory, ids, piece, direct_min)
     header = {"kind": _KIND, "n": len(ids), "pieces": _encode_lengths(lengths), "shape": list(pool.block_shape),
@@ -227,7 +227,7 @@ def send_blocks(
         pool.free(ids)  # CUDA: once the current stream, which waited for the sends, gets there
 
 
-def _send_pieces(transport: Transport, pool: SharedKVPool, memory: _Memory, ids: List[int],
+def _send_pieces(transport: Transport, pool: SharedKVPool, memory: _ChunkRuns, ids: List[int],
                  lengths: List[int], dst: int) -> None:
     in_flight = _InFlight(transport, pool, max(lengths))
     for lo, hi in _bounds(lengths):
@@ -307,7 +307,7 @@ def recv_blocks(
 
 
 def _receive_pieces(transport: Transport, pool: SharedKVPool, ids: List[int], lengths: List[int], src: int) -> None:
-    memory, in_flight = _Memory(pool), _InFlight(transport, pool, max(lengths))
+    memory, in_flight = _ChunkRuns(pool), _InFlight(transport, pool, max(lengths))
     for lo, hi in _bounds(lengths):
         target, then = memory.view(ids[lo:hi]), None
         buffer, staged = in_flight.prepare(target)

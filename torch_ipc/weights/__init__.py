@@ -6,9 +6,9 @@ each new version at memory speed.
     >>> pub.attach(conn)                           # sub = Subscriber(conn)  # doctest: +SKIP
     >>> opt.step(); pub.publish()                  # sub.pull(into=model)    # doctest: +SKIP
 
-See the README section "Sharing weights between a trainer and an inference
-engine" and Note [weights consistency protocol] in _control.py; for other
-nodes, "Across machines" and Note [relaying weights to other nodes] in relay.py.
+See docs/weights.md and Note [weights consistency protocol] in _control.py;
+for other nodes, docs/across-machines.md and Note [relaying weights to other
+nodes] in relay.py.
 """
 
 from ._errors import BroadcastError, PublisherGoneError, WeightsMismatchError

@@ -1,0 +1,184 @@
+"""Gather and scatter: many blocks of a pool copied on the current stream,
+by one kernel launch or by index_select.
+
+Note [kv copies]
+On a CUDA pool, gather() and scatter() are one launch of torch_ipc's batched
+copy kernel (torch_ipc/_batched_copy.py) over a table of the blocks' byte
+ranges, which keeps every SM busy with 16-byte loads; index_select over rows
+of the widest element (the fallback) reached ~0.78x of a device copy of the
+same bytes on an H100. The fallback serves CPU pools, GPUs or drivers the
+kernels do not load on, and ``TORCH_IPC_KV_COPY=index_select``;
+``pool.copy_path`` says which path the last gather/scatter took.
+
+The kernel trusts the table's addresses, so:
+- every id is bounds-checked (its min and max) before an address is formed,
+  ``out``/``src`` are checked as for the fallback (shape, dtype, device,
+  contiguous), and a chunk that is not one contiguous tensor is refused when
+  it is mapped (Note [chunk records are data] in _chunks.py): a block is
+  chunk start + local id * block_bytes.
+- the table reaches the device without the host waiting: it is built in
+  pinned memory and copied with non_blocking (the caching host allocator keeps
+  the pinned buffer until that copy has run), as the fallback's index is.
+  Except once: when the caching host allocator has no free pinned block of
+  the table's size yet, it makes one (cudaHostAlloc), and that waits for the
+  device. A GPU run showed it: a free after the first gather of a process,
+  behind 0.1 s of queued work, found that work done. Later gathers of that
+  size reuse the block and do not wait.
+- every tensor whose address is in the table lives as long as it would for
+  an index_select queued on the current stream, which is all the kernel is
+  to the allocators: the device table, and a ``src`` that scatter() moved to
+  the device or made contiguous, are allocated on the current stream, so the
+  caching allocator reuses them only for work queued after the launch;
+  ``out`` is returned to the caller (or is the caller's); the chunks are the
+  pool's until close(), and their release waits for the current stream's work
+  (Note [deferred release] in csrc/core/import.cpp; the owner's SharedPool
+  chunks: Note [pool frees synchronize] in csrc/memory/shared_pool.cpp). A
+  caller who queues gather/scatter on a stream other than the one that
+  allocated ``out`` or ``src`` calls record_stream, as for any torch op.
+"""
+from __future__ import annotations
+
+import os
+from array import array
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .. import _C, _batched_copy
+from ._chunks import Chunks
+from ._ids import Ids, pack
+from ._state import PoolState
+
+_INDEX_SELECT = "index_select"
+_KERNEL = "kernel"
+
+
+class BlockCopies:
+    """gather() and scatter() of one pool (they record state.copy_path). The
+    caller has checked that the pool is open."""
+
+    def __init__(self, state: PoolState, chunks: Chunks) -> None:
+        self._state = state
+        self._chunks = chunks
+        self._spans: Optional[List[Tuple[int, int, int]]] = None  # spans() until the pool grows
+
+    def gather(self, ids: Ids, out: Optional[torch.Tensor]) -> torch.Tensor:
+        s = self._state
+        packed = pack(ids)
+        device = self._chunks.device()
+        if out is None:
+            out = torch.empty((len(packed), *s.block_shape), dtype=s.dtype, device=device)
+        elif (
+            tuple(out.shape) != (len(packed), *s.block_shape)
+            or out.dtype != s.dtype
+            or out.device != device
+            or not out.is_contiguous()
+        ):
+            raise ValueError(
+                f"out must be a contiguous {s.dtype} tensor of shape {(len(packed), *s.block_shape)} "
+                f"on {s.device}"
+            )
+        if self._path():
+            if len(packed):
+                self._copy_blocks(packed, out, into_rows=True)
+            return out
+        for chunk, index, positions in self._index(packed):
+            source, rows = self._rows(s.chunks[chunk], out)
+            if positions is None:
+                torch.index_select(source, 0, index, out=rows)
+            else:
+                rows[positions] = source.index_select(0, index)
+        return out
+
+    def scatter(self, ids: Ids, src: torch.Tensor) -> None:
+        s = self._state
+        packed = pack(ids)
+        if tuple(src.shape) != (len(packed), *s.block_shape) or src.dtype != s.dtype:
+            raise ValueError(f"src must be a {s.dtype} tensor of shape {(len(packed), *s.block_shape)}")
+        if len(set(packed)) != len(packed):
+            raise ValueError("torch_ipc: scatter() into a block listed twice")
+        src = src.to(self._chunks.device()).contiguous()
+        if self._path():
+            if len(packed):
+                self._copy_blocks(packed, src, into_rows=False)
+            return
+        for chunk, index, positions in self._index(packed):
+            target, rows = self._rows(s.chunks[chunk], src)
+            target.index_copy_(0, index, rows if positions is None else rows[positions])
+
+    def _path(self) -> bool:
+        """Whether this gather/scatter runs the kernel; records the path in state.copy_path."""
+        why = self._why_not_kernel()
+        self._state.copy_path = f"{_INDEX_SELECT} ({why})" if why else _KERNEL
+        return not why
+
+    def _why_not_kernel(self) -> str:
+        """Why gather/scatter take the index_select path ("" when the kernel serves: Note [kv copies])."""
+        device = self._state.device
+        if device.type != "cuda":
+            return "CPU pool"
+        if os.environ.get("TORCH_IPC_KV_COPY", "") == _INDEX_SELECT:
+            return "TORCH_IPC_KV_COPY=index_select"
+        ok, why = _batched_copy.kernels_available(device)
+        return "" if ok else why
+
+    # ------------------------------------------------------------ the kernel
+
+    def spans(self) -> List[Tuple[int, int, int]]:
+        """(first id, blocks, address) of each mapped chunk, cached until the pool grows."""
+        s = self._state
+        if self._spans is None or len(self._spans) != len(s.chunks):
+            self._spans = [(first, c.shape[0], c.data_ptr()) for first, c in zip(s.starts, s.chunks)]
+        return self._spans
+
+    def table(self, packed: array, rows: torch.Tensor, into_rows: bool, pin: bool, min_items: int) -> torch.Tensor:
+        """The CPU table that copies the blocks `packed` (not empty) into the rows of contiguous
+        `rows` (gather), or the rows into the blocks (scatter); the ids are checked first, here
+        and again where the table is filled (Note [block items])."""
+        self._chunks.check_ids(packed)
+        block_bytes = self._state.block_bytes
+        size = _batched_copy.item_size(block_bytes, len(packed), min_items)
+        per_block = -(-block_bytes // size)
+        table = torch.empty((len(packed) * per_block, 4), dtype=torch.int64, pin_memory=pin)
+        _C.fill_block_items(table, packed, self.spans(), block_bytes, rows.data_ptr(), into_rows, size)
+        return table
+
+    def _copy_blocks(self, packed: array, rows: torch.Tensor, into_rows: bool) -> None:
+        """table()'s copy as one kernel launch on the current stream (Note [kv copies])."""
+        device = self._state.device
+        table = self.table(packed, rows, into_rows, pin=True, min_items=_batched_copy.sm_count(device))
+        _batched_copy.launch(_batched_copy.to_device(table, device), _batched_copy.COPY)
+
+    # ------------------------------------------------------ the index_select path
+
+    def _index(self, packed: array) -> List[Tuple[int, torch.Tensor, Optional[List[int]]]]:
+        """(chunk, ids within it on the pool's device, positions in `packed` or None for all)."""
+        if len(packed) == 0:
+            return []
+        self._chunks.check_ids(packed)
+        if len(self._state.chunks) == 1:
+            return [(0, self._to_device(torch.frombuffer(packed, dtype=torch.int64)), None)]
+        groups: Dict[int, Tuple[List[int], List[int]]] = {}
+        for pos, block_id in enumerate(packed):
+            chunk, local = self._chunks.locate(block_id)
+            ids, positions = groups.setdefault(chunk, ([], []))
+            ids.append(local)
+            positions.append(pos)
+        return [(c, self._to_device(torch.tensor(ids, dtype=torch.int64)), pos) for c, (ids, pos) in groups.items()]
+
+    def _to_device(self, index: torch.Tensor) -> torch.Tensor:
+        device = self._state.device
+        if device.type == "cpu":
+            return index.clone()
+        # Pinned, so the copy is queued on the stream and the host does not wait for it.
+        return index.pin_memory().to(device, non_blocking=True)
+
+    def _rows(self, *tensors: torch.Tensor) -> List[torch.Tensor]:
+        """Each of `tensors` [n, *block_shape] as rows of the widest element that
+        divides a block and suits every tensor's offset (index kernels move one
+        element per thread: wider elements, fewer threads; copies are bitwise)."""
+        raw = [t.reshape(t.shape[0], -1).view(torch.uint8) for t in tensors]
+        for dtype, size in ((torch.complex128, 16), (torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+            if self._state.block_bytes % size == 0 and all(r.storage_offset() % size == 0 for r in raw):
+                return [r.view(dtype) for r in raw]
+        return raw
