@@ -73,7 +73,8 @@ class NamespacedChild:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.kill()
-                    pytest.fail(f"the namespaced child said nothing within {timeout or self.timeout} s: {self.stderr()}")
+                    waited = timeout or self.timeout
+                    pytest.fail(f"the namespaced child said nothing within {waited} s: {self.stderr()}")
                 if sel.select(left):
                     chunk = os.read(self.proc.stdout.fileno(), 65536)
                     if not chunk:

@@ -63,7 +63,8 @@ def produce(path: str) -> None:
         f.write(data)
     os.rename(tmp, path)
     pid, start, life, pidns = _C.self_identity()
-    mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"torch_ipc.{pid}.{start}.") or n == f"torch_ipc.life.{life:08x}"]
+    life_file = f"torch_ipc.life.{life:08x}"
+    mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"torch_ipc.{pid}.{start}.") or n == life_file]
     say(files=sorted(mine), life=life, **namespace())
     hold_forever()
 
@@ -77,7 +78,7 @@ def fetch_fds(pid: str, start: str, life: str, pidns: str, ident: str, mode: str
         say(error=type(e).__name__, message=str(e))
         return
     out = []
-    for fd, size in got:
+    for fd, _size in got:
         out.append(os.pread(fd, 64, 0).rstrip(b"\0").decode())
         os.close(fd)
     say(contents=out)

@@ -9,15 +9,14 @@ import os
 import secrets
 import stat
 
+import ipc_test_utils as u
 import pytest
 import torch
+from namespace_helpers import NamespacedChild, needs_namespaces, run_namespaced
 
 import torch_ipc
 from torch_ipc import _C
 from torch_ipc.testing import Peer
-
-import ipc_test_utils as u
-from namespace_helpers import NamespacedChild, needs_namespaces, run_namespaced
 
 pytestmark = needs_namespaces()
 

@@ -393,7 +393,8 @@ def malformed_cases(data: bytes, seed: int, same_process: bool = False) -> List[
     # Another PID namespace (Note [life files]): judged by its life file, never by a pid of ours.
     elsewhere = patch(data, 52, "<I", d["pidns"] ^ 0x5A5A)
     cases.append(("producer in another PID namespace, its life file there", elsewhere, None))
-    cases.append(("producer in another PID namespace, life key of no file", patch(elsewhere, 48, "<I", 0x7FFFFFFF), GONE))
+    no_file = patch(elsewhere, 48, "<I", 0x7FFFFFFF)
+    cases.append(("producer in another PID namespace, life key of no file", no_file, GONE))
     # A key of 0 is "not known": the producer itself takes it for its own (pid and start time match).
     no_key = None if same_process else (OSError,)
     cases.append(("producer in another PID namespace, no life key", patch(elsewhere, 48, "<I", 0), no_key))

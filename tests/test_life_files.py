@@ -12,12 +12,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import ipc_test_utils as u
 import pytest
 
 from torch_ipc import _C
 from torch_ipc.testing import Peer, run_in_subprocess
-
-import ipc_test_utils as u
 
 F_OFD_GETLK = 36
 
@@ -132,7 +131,8 @@ def test_a_forked_child_has_its_own_life_file_and_does_not_keep_its_parent_alive
     finally:
         peer.kill()
     try:
-        assert u.poll_until(lambda: not _C.process_alive(*_elsewhere(parent))), "the child's copy kept its parent's lock"
+        parent_dead = u.poll_until(lambda: not _C.process_alive(*_elsewhere(parent)))
+        assert parent_dead, "the forked child's copy kept its parent's lock"
         assert _C.process_alive(*_elsewhere(child))
     finally:
         os.kill(child_pid, signal.SIGKILL)

@@ -1,17 +1,17 @@
 #include "os/life.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <cerrno>
+#include <fcntl.h>
 #include <memory>
 #include <mutex>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <unordered_map>
 
 #include "base/errors.h"
 #include "base/fork.h"
+
 #include "os/names.h"
 #include "os/shm.h"
 #include "os/sweep.h"
