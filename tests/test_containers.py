@@ -54,8 +54,9 @@ def _serve_one(address: str, authkey: bytes) -> dict:
             c.send(x)
             total = c.recv()
             seen = x.tolist()
+            peer_alive = c._peer_alive()
             c.send("bye")
-    return dict(total=total, seen=seen)
+    return dict(total=total, seen=seen, me=list(_C.self_identity()), peer_alive=peer_alive)
 
 
 def _publish_memfd(payload: bytes) -> dict:
@@ -97,7 +98,10 @@ def test_listener_and_client_at_a_socket_path_across_namespaces(tmp_path):
         u.poll_until(lambda: os.path.exists(address), timeout=30)
         (got,) = run_namespaced("client", address, key.hex())
         served = producer.result()
-    assert got["values"] == [1.0] * 4 and served == dict(total=4.0, seen=[1.0] * 4)
+    assert got["values"] == [1.0] * 4 and (served["total"], served["seen"]) == (4.0, [1.0] * 4)
+    # Each end takes the other for alive: here by the pid the kernel shows, there by the life key.
+    assert served["peer_alive"] and got["peer_alive"], (served, got)
+    assert got["peer"][1:3] == served["me"][1:3]  # start time and life key, as the listener sent them
 
 
 def test_a_consumer_killed_in_its_namespace_is_reclaimed_and_a_living_one_is_not(tmp_path):
