@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <fcntl.h>
 #include <memory>
 #include <mutex>
@@ -26,7 +27,11 @@ struct OwnLife {
   std::unique_ptr<ShmMapping> file;
   std::atomic<uint32_t> key{0};  // set once, read without the mutex
   int error = 0;
+  std::chrono::steady_clock::time_point failed_at{};  // the last attempt that failed
 };
+// After a failed attempt (a full /dev/shm) the next waits this long: every
+// self_process() asks, and each attempt costs several system calls.
+constexpr std::chrono::seconds kRetryAfter{1};
 OwnLife& own() { return *process_state<OwnLife>(); }
 
 // Note [life file cache]
@@ -132,6 +137,8 @@ uint32_t make_life_file(const ProcessId& self) noexcept {
   OwnLife& o = own();
   std::lock_guard<std::mutex> lock(o.mu);
   if (o.key.load() != 0) return o.key.load();
+  const auto now = std::chrono::steady_clock::now();
+  if (o.error != 0 && now - o.failed_at < kRetryAfter) return 0;
   try {
     uint32_t key = 0;
     o.file = create_under_random_name("a life file", [&](uint64_t r) -> std::unique_ptr<ShmMapping> {
@@ -155,6 +162,7 @@ uint32_t make_life_file(const ProcessId& self) noexcept {
   } catch (...) {
     o.error = ENOMEM;
   }
+  if (o.error != 0) o.failed_at = now;
   return o.key.load();
 }
 

@@ -37,7 +37,7 @@ struct LifeCheck {
 
 // This process's key, making its life file on first call (`self`: this
 // process, for the identity page); 0 when it could not be made
-// (life_file_error() says why; a later call tries again).
+// (life_file_error() says why; a call a second later tries again).
 uint32_t make_life_file(const ProcessId& self) noexcept;
 int life_file_error();
 
