@@ -169,3 +169,16 @@ def test_the_socket_folder_must_be_this_uids_with_mode_0700(short_folder, mode):
             assert path == "" and os.listdir(folder) == [], "a socket in a folder others may write to"
         peer.close()
     assert os.listdir(folder) == [], "the socket at a path outlived its server's clean exit"
+
+
+def test_doctor_says_when_the_socket_folder_cannot_serve_peers_in_other_namespaces(short_folder, monkeypatch):
+    from torch_ipc import doctor
+
+    row = doctor._check_other_namespaces()
+    assert row.status == doctor.OK and "life file" in row.detail, row
+    folder = short_folder / "sockets"
+    folder.mkdir()
+    folder.chmod(0o755)
+    monkeypatch.setenv("TORCH_IPC_SOCKET_DIR", str(folder))
+    row = doctor._check_other_namespaces()
+    assert row.status == doctor.WARN and "mode 0755, not 0700" in row.detail and "TORCH_IPC_SOCKET_DIR" in row.fix, row
