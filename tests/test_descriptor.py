@@ -11,7 +11,7 @@ import pickle
 import random
 import re
 import struct
-from typing import Any, Dict, List, NamedTuple, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import pytest
 import torch
@@ -22,10 +22,10 @@ from torch_ipc.testing import Peer, run_in_subprocess
 
 # ----------------------------------------------------------------------------- the layout, read independently of the C++ code
 
-HEADER = struct.Struct("<4sHHIHHHHIIIIIQ16sQ")
-assert HEADER.size == 72
-CHECKSUM_OFFSET = 64
-DEVICE_BYTES, EVENT_BYTES, LEASE_BYTES, ALLOC_BYTES, STORAGE_BYTES, TENSOR_HEAD_BYTES = 16, 80, 32, 96, 24, 16
+HEADER = struct.Struct("<4sHHIHHHHIIIIIQII16sQ")
+assert HEADER.size == 80
+CHECKSUM_OFFSET = 72
+DEVICE_BYTES, EVENT_BYTES, LEASE_BYTES, ALLOC_BYTES, STORAGE_BYTES, TENSOR_HEAD_BYTES = 16, 80, 40, 96, 24, 16
 NO_ALLOC = 0xFFFFFFFF
 NONE16 = 0xFFFF
 KIND_CPU_SHM = 3
@@ -91,7 +91,7 @@ def layout(data: bytes) -> Tuple[Dict[str, Any], List[Field]]:
     Returns the decoded header and tables and the list of fields covering every byte.
     """
     (magic, version, flags, total, n_dev, n_ev, n_lease, reserved, n_alloc, n_stor, n_tens,
-     payload_len, pid, start_time, boot, check) = HEADER.unpack_from(data, 0)  # fmt: skip
+     payload_len, pid, start_time, life, pidns, boot, check) = HEADER.unpack_from(data, 0)  # fmt: skip
     fields = [
         Field(0, 4, "magic", True), Field(4, 6, "version", True),
         # flag bits 0-1 (has_cuda, has_cpu) are hints; bits 2-15 are unknown and refused
@@ -101,11 +101,13 @@ def layout(data: bytes) -> Tuple[Dict[str, Any], List[Field]]:
         Field(18, 20, "reserved", True), Field(20, 24, "n_allocs", True),
         Field(24, 28, "n_storages", True), Field(28, 32, "n_tensors", True),
         Field(32, 36, "payload_len", True), Field(36, 40, "producer_pid", True),
-        Field(40, 48, "producer_start_time", True), Field(48, 64, "boot_id", True),
-        Field(64, 72, "checksum", True),
+        Field(40, 48, "producer_start_time", True),
+        # the life key and PID namespace say how to judge the producer; a living one passes either way
+        Field(48, 52, "producer_life", False), Field(52, 56, "producer_pidns", False),
+        Field(56, 72, "boot_id", True), Field(72, 80, "checksum", True),
     ]  # fmt: skip
     d: Dict[str, Any] = dict(magic=magic, version=version, flags=flags, total=total, pid=pid,
-                             start_time=start_time, boot=boot, reserved=reserved,
+                             start_time=start_time, life=life, pidns=pidns, boot=boot, reserved=reserved,
                              payload_len=payload_len, checksum=check)  # fmt: skip
     off = HEADER.size
 
@@ -131,10 +133,13 @@ def layout(data: bytes) -> Tuple[Dict[str, Any], List[Field]]:
         add(4, f"lease[{i}].segment", True)
         add(8, f"lease[{i}].start_time", True)
         add(4, f"lease[{i}].slot", True)
-        add(4, f"lease[{i}].pad", False)
+        add(4, f"lease[{i}].life", False)
         add(8, f"lease[{i}].generation", True)
-        lpid, seg, lstart, slot, _pad, gen = struct.unpack_from("<IIQIIQ", data, base)
-        d["leases"].append(dict(offset=base, pid=lpid, segment=seg, start_time=lstart, slot=slot, generation=gen))
+        add(4, f"lease[{i}].pidns", False)
+        add(4, f"lease[{i}].pad", True)
+        lpid, seg, lstart, slot, llife, gen, lns = struct.unpack_from("<IIQIIQI", data, base)
+        d["leases"].append(dict(offset=base, pid=lpid, segment=seg, start_time=lstart, slot=slot, life=llife,
+                                generation=gen, pidns=lns))
     d["allocs"] = []
     for i in range(n_alloc):
         base = off
@@ -213,6 +218,20 @@ def sample_object(seed: int) -> Dict[str, Any]:
 # ----------------------------------------------------------------------------- child: round trip
 
 
+def own_life_key(start_time: int) -> int:
+    """The key of this process's life file, found by its identity page (Note [life files])."""
+    for name in os.listdir("/dev/shm"):
+        if name.startswith("torch_ipc.life."):
+            try:
+                with open(f"/dev/shm/{name}", "rb") as f:
+                    magic, pid, _, start = struct.unpack("<8sIIQ", f.read(24))
+            except (OSError, struct.error):
+                continue
+            if magic == b"TIPCSEG1" and (pid, start) == (os.getpid(), start_time):
+                return int(name.rsplit(".", 1)[1], 16)
+    return 0
+
+
 def _round_trip(seed: int) -> Dict[str, Any]:
     """In a child: export the sample and report what the descriptor and describe() say."""
     obj = sample_object(seed)
@@ -244,6 +263,8 @@ def _round_trip(seed: int) -> Dict[str, Any]:
         groups=u.storage_groups(obj),
         pid=os.getpid(),
         start_time=start_time,
+        life=own_life_key(start_time),
+        pidns=os.stat("/proc/self/ns/pid").st_ino,
         boot=boot,
         same_memory=same,
         fingerprint=u.fingerprint(obj),
@@ -259,15 +280,17 @@ def test_layout_round_trip():
     assert fields[0].start == 0 and fields[-1].end == len(data) == d["end"]
     assert all(a.end == b.start for a, b in zip(fields, fields[1:]))
     # Header
-    assert d["magic"] == b"TIPC" and d["version"] == 2 and d["total"] == len(data) and d["reserved"] == 0
+    assert d["magic"] == b"TIPC" and d["version"] == 3 and d["total"] == len(data) and d["reserved"] == 0
     assert d["checksum"] == checksum(data), "the checksum as Note [descriptor checksum] says"
     assert d["flags"] == FLAG_HAS_CPU
     assert d["pid"] == r["pid"] and d["start_time"] == r["start_time"] and d["boot"] == r["boot"]
+    assert d["life"] == r["life"] != 0 and d["pidns"] == r["pidns"] != 0
     assert not d["devices"] and not d["events"]
     # One lease (this producer), owned by the producer.
     assert len(d["leases"]) == 1
     lease = d["leases"][0]
     assert (lease["pid"], lease["start_time"]) == (r["pid"], r["start_time"]) and lease["generation"] != 0
+    assert (lease["life"], lease["pidns"]) == (r["life"], r["pidns"])
     # Tensors, in the order the pickler met them.
     expected = r["expected"]
     assert len(d["tensors"]) == len(expected)
@@ -295,7 +318,7 @@ def test_layout_round_trip():
             assert a["handle"].startswith(b"/torch_ipc.")
     # describe() agrees with the bytes.
     desc = r["describe"]
-    assert desc["version"] == 2 and desc["producer_pid"] == r["pid"]
+    assert desc["version"] == 3 and desc["producer_pid"] == r["pid"]
     for key, table in [("n_devices", "devices"), ("n_events", "events"), ("n_leases", "leases"),
                        ("n_allocs", "allocs"), ("n_storages", "storages"), ("n_tensors", "tensors")]:  # fmt: skip
         assert desc[key] == len(d[table]), key
@@ -321,8 +344,8 @@ def _dumps_one_tensor() -> bytes:
 # ----------------------------------------------------------------------------- malformed descriptors
 
 
-def malformed_cases(data: bytes, seed: int, same_process: bool = False) -> List[Tuple[str, bytes, tuple]]:
-    """Hand-made corruptions of a valid descriptor, each with the errors a load may raise.
+def malformed_cases(data: bytes, seed: int, same_process: bool = False) -> List[Tuple[str, bytes, Optional[tuple]]]:
+    """Hand-made corruptions of a valid descriptor, each with the errors a load may raise (None: it loads).
 
     With `same_process` the load happens in the producer, which finds its own
     storages by handle and offset and maps nothing: an allocation's size is not
@@ -349,7 +372,7 @@ def malformed_cases(data: bytes, seed: int, same_process: bool = False) -> List[
         ("magic TIPD", b"TIPD" + data[4:], DE),
         ("magic byte-swapped", b"CPIT" + data[4:], DE),
     ]
-    for version in (0, 1, 3, 0x100, 0xFFFF):
+    for version in (0, 1, 2, 4, 0x100, 0xFFFF):
         cases.append((f"version {version}", patch(data, 4, "<H", version), DE))
     for flag in (8, 0x100, 0x8000):  # 4: open-ended (dumps(consumers=None))
         cases.append((f"unknown flag {flag:#x}", patch(data, 6, "<H", d["flags"] | flag), DE))
@@ -363,13 +386,21 @@ def malformed_cases(data: bytes, seed: int, same_process: bool = False) -> List[
         for lie in {value + 1, top, top // 2 + 1, max(value - 1, 0) if value else 1}:
             cases.append((f"{name} {value} -> {lie}", patch(data, offset, fmt, lie), DE))
     cases.append(("reserved header field set", patch(data, 18, "<H", 1), DE))
-    cases.append(("boot id of another boot", seal(data[:48] + bytes(b ^ 0x5A for b in data[48:64]) + data[64:]), DE))
-    cases.append(("checksum off by one", data[:64] + ((d["checksum"] + 1) % 2**64).to_bytes(8, "little") + data[72:], DE))
-    cases.append(("checksum zero", data[:64] + bytes(8) + data[72:], DE))
+    cases.append(("boot id of another boot", seal(data[:56] + bytes(b ^ 0x5A for b in data[56:72]) + data[72:]), DE))
+    cases.append(("checksum off by one", data[:72] + ((d["checksum"] + 1) % 2**64).to_bytes(8, "little") + data[80:], DE))
+    cases.append(("checksum zero", data[:72] + bytes(8) + data[80:], DE))
     cases.append(("last byte changed, checksum not updated", data[:-1] + bytes([data[-1] ^ 1]), DE))
     GONE = (torch_ipc.ProducerGoneError,)
     cases.append(("producer pid that does not exist", patch(data, 36, "<I", 0x7FFFFFF0), GONE))
     cases.append(("producer start time differs", patch(data, 40, "<Q", d["start_time"] + 1), GONE))
+    # Another PID namespace (Note [life files]): judged by its life file, never by a pid of ours.
+    elsewhere = patch(data, 52, "<I", d["pidns"] ^ 0x5A5A)
+    cases.append(("producer in another PID namespace, its life file there", elsewhere, None))
+    no_file = patch(elsewhere, 48, "<I", 0x7FFFFFFF)
+    cases.append(("producer in another PID namespace, life key of no file", no_file, GONE))
+    # A key of 0 is "not known": the producer itself takes it for its own (pid and start time match).
+    no_key = None if same_process else (OSError,)
+    cases.append(("producer in another PID namespace, no life key", patch(elsewhere, 48, "<I", 0), no_key))
 
     lease = d["leases"][0]
     lo = lease["offset"]
@@ -533,7 +564,7 @@ def _fuzz(data: bytes, seed: int, iterations: int, hold: bool, same_process: boo
 
     # Hand-made cases.
     for what, mutated, allowed in malformed_cases(data, seed, same_process):
-        check(what, mutated, allowed, may_load=False)
+        check(what, mutated, allowed or (), may_load=allowed is None)  # None: it must load
 
     # Random corruption: 1 to 3 bytes, xor-ed or set to boundary values. Raw,
     # the checksum catches every one; sealed (checksum recomputed), the checks

@@ -2,7 +2,9 @@
 server, shared memory and leases reaches Python as the class a caller can act
 on (ReleasedError, ProducerGoneError, or OSError carrying the real errno, so
 the builtin subclass that fits), never as a bare RuntimeError."""
+import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import socket
@@ -133,9 +135,36 @@ def _dumps_when_every_name_is_taken():
     return None
 
 
-def _fill_holders(pid: int, start: int) -> int:
+F_OFD_SETLK = 37
+
+
+@contextlib.contextmanager
+def _living_holders(n: int):
+    """n life keys whose life files are locked (Note [life files] in csrc/os/life.h),
+    as n living holders in other processes would have them."""
+    keys, fds = [], []
+    try:
+        while len(keys) < n:
+            key = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+            try:
+                fd = os.open(f"/dev/shm/torch_ipc.life.{key:08x}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                continue
+            fds.append(fd)
+            keys.append(key)
+            fcntl.fcntl(fd, F_OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+            os.pwrite(fd, b"x", 0)
+        yield keys
+    finally:
+        for key, fd in zip(keys, fds):
+            os.unlink(f"/dev/shm/torch_ipc.life.{key:08x}")
+            os.close(fd)
+
+
+def _fill_holders(pid: int, start: int, keys) -> int:
     """Take every holder word of every live lease slot of process pid (as if
-    14 other processes held its exports). Returns how many slots were filled."""
+    14 other processes, of life keys `keys`, held its exports). Returns how
+    many slots were filled."""
     fd = os.open(_shm_path("L", pid, start), os.O_RDWR)
     try:
         m = mmap.mmap(fd, IDENTITY_BYTES + SLOT_BYTES * SLOTS)
@@ -148,7 +177,7 @@ def _fill_holders(pid: int, start: int) -> int:
         if generation == 0:
             continue
         for i in range(HOLDERS):
-            struct.pack_into("<Q", m, base + 16 + 8 * i, (1 << 32) | 1)  # pid 1 holds once
+            struct.pack_into("<Q", m, base + 16 + 8 * i, (keys[i] << 32) | 1)  # holds once
         filled += 1
     m.close()
     return filled
@@ -274,9 +303,10 @@ def test_missing_lease_segment_of_a_live_producer_is_released(peer):
 
 def test_holder_limit_is_a_clear_error_saying_what_to_do(peer):
     data = peer.call(_dumps_cpu, 2)
-    assert _fill_holders(*peer.call(_who)) == 1
-    with pytest.raises(torch_ipc.HolderLimitError) as info:
-        torch_ipc.loads(data)
+    with _living_holders(14) as keys:
+        assert _fill_holders(*peer.call(_who), keys) == 1
+        with pytest.raises(torch_ipc.HolderLimitError) as info:
+            torch_ipc.loads(data)
     assert isinstance(info.value, RuntimeError)
     message = str(info.value)
     assert "already has 14 holders" in message and "dumps() call each" in message, message

@@ -98,8 +98,8 @@ def _lying_client(address, authkey: bytes, claimed_pid: int) -> int:
     own start time); return the pid the listener says it is."""
     conn = mpc.Client(address, authkey=authkey)
     try:
-        conn.send_bytes(struct.pack("<IQ", claimed_pid, torch_ipc._C.self_process()[1]))
-        return struct.unpack("<IQ", conn.recv_bytes(32))[0]
+        conn.send_bytes(struct.pack("<IQII", claimed_pid, torch_ipc._C.self_process()[1], 0, 0))
+        return struct.unpack("<IQII", conn.recv_bytes(32))[0]
     finally:
         conn.close()
 

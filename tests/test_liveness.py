@@ -21,8 +21,8 @@ AUTHKEY = b"liveness"
 
 def _recycled(process):
     """The same pid, another start time: what a recycled pid looks like."""
-    pid, start_time = process
-    return pid, start_time + 1
+    pid, start_time, *rest = process  # (pid, start) or (pid, start, life key, PID namespace)
+    return (pid, start_time + 1, *rest)
 
 
 def test_this_process_is_alive_and_a_recycled_pid_is_not():
@@ -68,7 +68,7 @@ def _connected_pair():
 def test_a_connection_learns_its_peers_start_time():
     server, client = _connected_pair()
     try:
-        assert server._peer == client._peer == _process.self_process()
+        assert server._peer == client._peer == _process.self_identity()
     finally:
         server.close()
         client.close()

@@ -184,7 +184,7 @@ def _checksum(data):
     h = 0x9E3779B97F4A7C15 ^ len(data)
     i = 0
     while i + 8 <= len(data):
-        w = 0 if i == 64 else int.from_bytes(data[i : i + 8], "little")
+        w = 0 if i == 72 else int.from_bytes(data[i : i + 8], "little")
         h = ((h ^ w) * 0xFF51AFD7ED558CCD) & mask
         h ^= h >> 32
         i += 8
@@ -196,14 +196,14 @@ def _checksum(data):
 def _reseal(data):
     """Forged bytes with a valid checksum, so that the check under test is reached."""
     out = bytearray(data)
-    out[64:72] = struct.pack("<Q", _checksum(out))
+    out[72:80] = struct.pack("<Q", _checksum(out))
     return bytes(out)
 
 
 def _find_vmm_alloc(data, size):
     """Offset of the AllocRecord of kind VMM and this size (see descriptor.cpp)."""
     want = struct.pack("<Q", size)
-    for i in range(72, len(data) - 80):
+    for i in range(80, len(data) - 80):
         if data[i] == KIND_VMM and data[i + 8 : i + 16] == want and data[i + 16] == 1:
             return i
     raise AssertionError("no VMM alloc record found")
@@ -252,7 +252,7 @@ def test_reseal_matches_the_descriptor_checksum():
         data = torch_ipc.dumps(obj)
         assert _reseal(data) == data
         n_devices, n_events, n_leases = struct.unpack_from("<HHH", data, 12)
-        first_alloc_handle = 72 + 16 * n_devices + 72 * n_events + 32 * n_leases + 16
+        first_alloc_handle = 80 + 16 * n_devices + 72 * n_events + 40 * n_leases + 16
         flipped = bytearray(data)
         flipped[first_alloc_handle + 1] ^= 1  # a byte decode() leaves to the importer
         with pytest.raises(torch_ipc.DescriptorError, match="checksum"):

@@ -288,11 +288,36 @@ def check_namespaces() -> List[Row]:
     with open("/proc/self/status") as f:
         nspid = next((line.split()[1:] for line in f if line.startswith("NSpid:")), [])
     if len(nspid) > 1:
-        return [Row("PID namespace", WARN, f"this process is pid {nspid[-1]} in a PID namespace of its own "
-                    f"(pid {nspid[0]} outside): a container",
-                    "producer and consumer must share a PID namespace (docker --pid=host or one pod), "
-                    "or a consumer takes a live producer for gone")]  # fmt: skip
-    return [Row("PID namespace", OK, "the machine's own PID namespace")]
+        row = Row("PID namespace", INFO, f"this process is pid {nspid[-1]} in a PID namespace of its own "
+                  f"(pid {nspid[0]} outside): a container; peers elsewhere judge it by its life file (row below)")
+    else:
+        row = Row("PID namespace", OK, "the machine's own PID namespace")  # fmt: skip
+    return [row, _check_other_namespaces()]
+
+
+def _check_other_namespaces() -> Row:
+    """How a peer in another PID or network namespace would reach this process (docs/containers.md)."""
+    name = "peers in other namespaces"
+    try:
+        from . import _C
+    except ImportError as e:  # check_versions says why
+        return Row(name, FAIL, f"the extension does not import: {e}")
+    life = _C.self_identity()[2]
+    if not life:
+        err = _C.life_file_error()
+        return Row(name, FAIL, f"no life file in /dev/shm ({os.strerror(err) if err else 'not made'}): a peer in "
+                   "another PID namespace cannot tell whether this process lives, and refuses to load from it",
+                   "make /dev/shm writable for this user, with room for a 4 KiB file")  # fmt: skip
+    folder, problem = _C.socket_dir()
+    if problem and not os.path.exists(folder) and os.access(os.path.dirname(folder) or "/", os.W_OK):
+        problem = ""  # made (mode 0700) by the first VMM export
+    liveness = f"liveness by the life file /dev/shm/torch_ipc.life.{life:08x} (no pid needed)"
+    if problem:
+        return Row(name, WARN, f"{liveness}; VMM memory (expandable segments, SharedPool) cannot reach them: "
+                   f"{problem}", "set TORCH_IPC_SOCKET_DIR to a folder of this uid with mode 0700 that both see")
+    return Row(name, OK, f"{liveness}; VMM file descriptors through a socket in {folder} (TORCH_IPC_SOCKET_DIR): "
+               "pidfd_getfd and abstract sockets do not cross namespaces; CPU tensors and cudaMalloc memory need "
+               "only /dev/shm")  # fmt: skip
 
 
 def check_limits() -> List[Row]:

@@ -24,11 +24,21 @@ inline uint64_t handle_hash(const Handle64& h) {
 }
 
 // The identity of a process: pid plus its start time in clock ticks since
-// boot, so a recycled pid is never mistaken for the producer.
+// boot, so a recycled pid is never mistaken for the producer; plus what lets
+// a process that cannot see that pid judge it (Note [life files] in
+// os/life.h): the key of its life file (0: it has none) and the inode of
+// the PID namespace its pid is counted in (0: unknown).
 struct ProcessId {
   uint32_t pid = 0;
   uint64_t start_time = 0;
-  bool operator==(const ProcessId& o) const { return pid == o.pid && start_time == o.start_time; }
+  uint32_t life = 0;
+  uint32_t pidns = 0;
+  // Two processes of two PID namespaces may share a pid and a start time (two
+  // containers' first processes, started in one clock tick); their life keys
+  // tell them apart. A key of 0 is "not known", as in an identity from Python.
+  bool operator==(const ProcessId& o) const {
+    return pid == o.pid && start_time == o.start_time && (life == 0 || o.life == 0 || life == o.life);
+  }
   bool operator!=(const ProcessId& o) const { return !(*this == o); }
 };
 

@@ -291,7 +291,7 @@ std::shared_ptr<Export> attach_leases_and_encode(Descriptor& d, TableBuilder& ta
     return out;
   } catch (...) {
     if (own) lease_abandon(*own);
-    for (const auto& lease : forwarded) lease_remove_deliveries(lease, self_process().pid, consumers);
+    for (const auto& lease : forwarded) lease_remove_deliveries(lease, self_process().life, consumers);
     throw;
   }
 }
@@ -322,7 +322,7 @@ bool Export::live() const {
 void Export::revoke() {
   if (made_.inherited() || revoked_.exchange(true)) return;
   if (own_ && export_is_live(*own_)) lease_revoke_tokens(*own_);
-  for (const auto& lease : forwarded_) lease_remove_deliveries(lease, self_process().pid, consumers_);
+  for (const auto& lease : forwarded_) lease_remove_deliveries(lease, self_process().life, consumers_);
 }
 
 void Export::forbid_loads() {

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <tuple>
 #include <mutex>
 #include <unordered_map>
 
@@ -94,7 +95,7 @@ Consumer& consumer() { return *process_state<Consumer>(); }
 class Liveness {
  public:
   LifeCheck check(const ProcessId& p) {
-    auto key = std::make_pair(p.pid, p.start_time);
+    auto key = std::make_tuple(p.pid, p.start_time, p.life);
     auto it = known_.find(key);
     if (it == known_.end()) it = known_.emplace(key, check_process(p)).first;
     return it->second;
@@ -108,13 +109,17 @@ class Liveness {
   void require(const ProcessId& p, const std::string& consequence) {
     const LifeCheck c = check(p);
     if (c.life == Life::Dead) throw producer_gone(p.pid, consequence);
-    if (c.life == Life::Unknown)
+    if (c.life == Life::Unknown && pid_visible(p))
       throw os_error(c.error, "reading /proc/" + std::to_string(p.pid) + "/stat",
                      "(to check that the producer, pid " + std::to_string(p.pid) + ", is alive)");
+    if (c.life == Life::Unknown)  // Note [life files] in os/life.h
+      throw os_error(c.error, "checking the life file of the producer",
+                     "(pid " + std::to_string(p.pid) + " in another PID namespace)",
+                     p.life == 0 ? "(it made none: it could not create files in /dev/shm)" : "");
   }
 
  private:
-  std::map<std::pair<uint32_t, uint64_t>, LifeCheck> known_;
+  std::map<std::tuple<uint32_t, uint64_t, uint32_t>, LifeCheck> known_;
 };
 
 // ---------------------------------------------------------------- release
@@ -296,7 +301,7 @@ std::vector<int> local_devices(const Descriptor& d) {
 // pending for its consumers. So the producer must be a holder of every lease
 // it forwards; one that is not did not send this, or let go of what it sent.
 void check_forwarder(const Descriptor& d, const LeaseRecord& l) {
-  if (d.producer == self_process() || lease_names_holder(l, d.producer.pid)) return;
+  if (d.producer == self_process() || lease_names_holder(l, d.producer.life)) return;
   throw Released("torch_ipc: the descriptor's producer (pid " + std::to_string(d.producer.pid) +
                  ") holds nothing of the memory of pid " + std::to_string(l.owner.pid) +
                  " that it would forward: it released what it forwarded, or the descriptor is "
@@ -325,7 +330,7 @@ std::vector<std::shared_ptr<Hold>> take_holds(Consumer& c, const Descriptor& d, 
       holds[i]->lease = l;
     }
     if (!(forwarded && (d.flags & kOpenEnded)))  // open-ended forwarding has no deliveries
-      spends.push_back(PendingLoad::Spend{l, forwarded, d.producer.pid});
+      spends.push_back(PendingLoad::Spend{l, forwarded, d.producer.life});
   }
   return holds;
 }
@@ -505,7 +510,7 @@ void PendingLoad::commit() {
   if (committed_.exchange(true)) return;
   for (const Spend& s : spends_) {
     if (s.forwarded) {
-      lease_remove_deliveries(s.lease, s.forwarder_pid, 1);
+      lease_remove_deliveries(s.lease, s.forwarder_key, 1);
       continue;
     }
     try {

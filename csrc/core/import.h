@@ -26,7 +26,7 @@ class __attribute__((visibility("hidden"))) PendingLoad {
   struct Spend {
     LeaseRecord lease;
     bool forwarded;          // remove a delivery of the forwarder, take no token
-    uint32_t forwarder_pid;  // the descriptor's producer
+    uint32_t forwarder_key;  // the descriptor's producer's life key
   };
   explicit PendingLoad(std::vector<Spend> spends) : spends_(std::move(spends)) {}
   // Spend what the load was given. Idempotent. Call it while the tensors of

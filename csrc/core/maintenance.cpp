@@ -10,6 +10,8 @@
 #include "core/registry.h"
 #include "memory/host_memory.h"
 #include "memory/shared_pool.h"
+#include "os/fd_passing.h"
+#include "os/life.h"
 #include "os/process.h"
 #include "os/refcount.h"
 #include "os/sweep.h"
@@ -51,6 +53,11 @@ void shutdown() {
   collect_exports();
   lease_unlink_own_segments();
   host_unlink_all();
+  // Its lock goes with the process; the name goes now unless something is
+  // still held (a holder whose file is gone looks dead: Note [life files]);
+  // else a later sweep removes it.
+  if (import_stats().holds == 0) unlink_life_file();
+  fd_server_unlink_path();
 }
 
 int sweep() {

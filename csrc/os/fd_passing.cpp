@@ -26,6 +26,7 @@
 #include "os/names.h"
 #include "base/fork.h"
 #include "os/process.h"
+#include "os/socket_dir.h"
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
@@ -84,6 +85,8 @@ struct Server {
   pid_t started_by = 0;  // the pid whose thread serves; another pid (a fork) restarts
   uint32_t tag = 0;      // the random part of its socket name, Note [fd server name]
   int listening = -1;    // its socket
+  int listening_path = -1;  // its socket at a path (Note [fd server at a path]), or -1
+  std::string path;         // that socket's path while it is linked
   std::atomic<int64_t> served{0}, refused{0};
 };
 
@@ -243,6 +246,58 @@ std::optional<UniqueFd> listen_on(const std::string& name) {
   return fd;
 }
 
+// A listening socket bound to the path `path`; nothing when the name exists.
+std::optional<UniqueFd> listen_on_path(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() + 1 > sizeof(addr.sun_path))
+    throw OsError(ENAMETOOLONG, "torch_ipc: the socket path " + path + " is longer than " +
+                                    std::to_string(sizeof(addr.sun_path) - 1) +
+                                    " bytes (set TORCH_IPC_SOCKET_DIR to a shorter folder)");
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  UniqueFd fd(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (fd.get() < 0) throw_os_error("socket(AF_UNIX, SOCK_SEQPACKET)", "for the fd server");
+  if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    if (errno == EADDRINUSE) return std::nullopt;
+    throw_os_error("bind", "of the fd server on " + path);
+  }
+  if (listen(fd.get(), 128) != 0) {
+    const int err = errno;
+    ::unlink(path.c_str());
+    throw os_error(err, "listen", "of the fd server on " + path);
+  }
+  return fd;
+}
+
+// Note [fd server at a path]
+// A consumer in another network namespace cannot reach the abstract socket,
+// and one in another PID namespace cannot use pidfd_getfd; both can reach a
+// socket in the socket folder (Note [socket folder] in socket_dir.h). So the
+// server also listens there, named by its life key and its tag
+// (torch_ipc.<key>.<tag>.fd): a consumer knows both from the descriptor. It
+// is unlinked at exit; the file of one that died is removed by the next
+// server start of this uid (its life file says it died). Where the folder
+// cannot be used the server warns once and listens on its abstract socket only.
+void listen_at_path_too(Server& s) {
+  const uint32_t key = self_process().life;
+  std::string why;
+  const std::string dir = key == 0 ? "" : usable_socket_dir(/*create=*/true, &why);
+  try {
+    if (key == 0) why = "this process has no life file";
+    if (dir.empty()) throw OsError(ENOENT, why);
+    sweep_socket_dir(dir);
+    const std::string path = dir + "/" + fd_socket_file_name(key, s.tag);
+    std::optional<UniqueFd> listener = listen_on_path(path);
+    if (!listener) throw OsError(EADDRINUSE, path + " exists already");
+    s.path = path;
+    s.listening_path = listener->get();
+    std::thread(serve_forever, listener->release()).detach();
+  } catch (const std::exception& e) {
+    TORCH_WARN_ONCE("torch_ipc: the fd server listens on its abstract socket only (", e.what(),
+                    "): consumers in another network or PID namespace cannot fetch VMM memory");
+  }
+}
+
 // Note [fd server name]
 // The server's abstract socket name has a random part (Note [names]), drawn
 // again while the name is taken. Consumers find it in the export id, whose
@@ -258,6 +313,7 @@ void ensure_server(Server& s) {
       });
   s.listening = listener->get();
   std::thread(serve_forever, listener->release()).detach();  // lives as long as the process
+  listen_at_path_too(s);
   s.started_by = getpid();
 }
 
@@ -280,6 +336,14 @@ const char* const kFdsLost = "its file descriptors can no longer be fetched";
 // refuses for want of rights, so that the caller may fall back.
 bool fetch_pidfd(const ProcessId& owner, const std::vector<int>& remote_fds, bool forced,
                  std::vector<ReceivedItem>& out) {
+  // A pid of another PID namespace names another process here, or none
+  // (Note [whose pid] in process.cpp): never pull fds by it.
+  if (!pid_visible(owner)) {
+    if (!forced) return false;
+    throw OsError(ESRCH, "torch_ipc: TORCH_IPC_FD_TRANSPORT=pidfd, but the producer (" + pid_text(owner) +
+                             ") runs in another PID namespace, where pidfd_getfd cannot reach it; "
+                             "unset TORCH_IPC_FD_TRANSPORT or set it to socket");
+  }
   UniqueFd pidfd(pidfd_open(static_cast<pid_t>(owner.pid)));
   if (pidfd.get() < 0) {
     const int err = errno;
@@ -314,41 +378,82 @@ bool fetch_pidfd(const ProcessId& owner, const std::vector<int>& remote_fds, boo
   return true;
 }
 
-// Step 1 of a socket fetch: a connection to `owner`'s fd server for export
-// `id`, checked to be served by `owner` itself.
-UniqueFd connect_fd_server(const ProcessId& owner, uint64_t id) {
+// A connected socket to `addr`, or -1 with `err` set.
+UniqueFd connect_to(const sockaddr_un& addr, socklen_t len, int* err) {
   UniqueFd sock(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
   if (sock.get() < 0)
     throw_os_error("socket(AF_UNIX, SOCK_SEQPACKET)", "to fetch file descriptors");
-  if (int err = set_timeouts(sock.get(), kAnswerSeconds, kAnswerSeconds))
-    throw os_error(err, "setsockopt(SO_RCVTIMEO/SO_SNDTIMEO)", "of the fd socket");
-  socklen_t len;
-  std::string name = fd_socket_name(owner, static_cast<uint32_t>(id >> 32));
-  sockaddr_un addr = address_of(name, &len);
+  if (int e = set_timeouts(sock.get(), kAnswerSeconds, kAnswerSeconds))
+    throw os_error(e, "setsockopt(SO_RCVTIMEO/SO_SNDTIMEO)", "of the fd socket");
   int rc;
-  do rc = connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), len);
+  do rc = connect(sock.get(), reinterpret_cast<const sockaddr*>(&addr), len);
   while (rc != 0 && errno == EINTR);
-  if (rc != 0) {
-    const int err = errno;
-    throw_gone_or(owner, OsError(err, "torch_ipc: cannot reach the fd server of the producer (" +
-                                          pid_text(owner) + ") at @" + name + ": " +
-                                          std::strerror(err) +
-                                          " (it runs in another network namespace, or never "
-                                          "exported VMM memory)"));
-  }
+  if (rc == 0) return sock;
+  *err = errno;
+  return UniqueFd();
+}
+
+// The owner's server at its path in the socket folder (Note [fd server at a
+// path]); "" when the owner has no life key or the path does not fit.
+std::string path_of_server(const ProcessId& owner, uint32_t tag, sockaddr_un* addr) {
+  if (owner.life == 0) return "";
+  const std::string path = socket_dir() + "/" + fd_socket_file_name(owner.life, tag);
+  *addr = sockaddr_un{};
+  addr->sun_family = AF_UNIX;
+  if (path.size() + 1 > sizeof(addr->sun_path)) return "";
+  std::memcpy(addr->sun_path, path.data(), path.size());
+  return path;
+}
+
+// The server must be `owner` itself where its pid means something here, and
+// of our uid elsewhere: SO_PEERCRED gives 0, or another process's number, for
+// a peer of another PID namespace (Note [whose pid] in process.cpp).
+void check_server(int sock, const ProcessId& owner, const std::string& where) {
   ucred cred{};
   socklen_t clen = sizeof(cred);
-  if (getsockopt(sock.get(), SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0)
-    throw_os_error("getsockopt(SO_PEERCRED)", "of @" + name);
-  if (static_cast<uint32_t>(cred.pid) != owner.pid) {
-    const std::string served = "the socket @" + name + " is served by pid " +
-                               std::to_string(cred.pid) + ", not by the producer (" +
-                               pid_text(owner) + "); refusing to take file descriptors from it";
-    if (!process_alive(owner)) throw producer_gone(owner.pid, served);
-    // A living producer whose name another process holds: a peer outside the
-    // protocol, so EPROTO; the message names the squatter to look for.
-    throw OsError(EPROTO, "torch_ipc: " + served);
+  if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0)
+    throw_os_error("getsockopt(SO_PEERCRED)", "of " + where);
+  // Where the pid is visible it is the proof; a producer of another uid then
+  // answers with its own refusal (EACCES), which the caller reads.
+  const bool visible = pid_visible(owner);
+  const bool other_uid = cred.uid != geteuid();
+  if (visible ? static_cast<uint32_t>(cred.pid) == owner.pid : !other_uid) return;
+  const std::string served = "the socket " + where + " is served by pid " + std::to_string(cred.pid) +
+                             (other_uid ? " of uid " + std::to_string(cred.uid) : std::string()) +
+                             ", not by the producer (" + pid_text(owner) +
+                             "); refusing to take file descriptors from it";
+  if (!process_alive(owner)) throw producer_gone(owner.pid, served);
+  // A living producer whose name another process holds: a peer outside the
+  // protocol, so EPROTO; the message names the squatter to look for.
+  throw OsError(EPROTO, "torch_ipc: " + served);
+}
+
+// Step 1 of a socket fetch: a connection to `owner`'s fd server for export
+// `id`, checked to be served by `owner` itself: its abstract socket, else
+// (another network namespace) its socket at a path.
+UniqueFd connect_fd_server(const ProcessId& owner, uint64_t id) {
+  const uint32_t tag = static_cast<uint32_t>(id >> 32);
+  socklen_t len;
+  std::string name = fd_socket_name(owner, tag);
+  sockaddr_un addr = address_of(name, &len);
+  std::string where = "@" + name;
+  int err = 0;
+  UniqueFd sock = connect_to(addr, len, &err);
+  if (sock.get() < 0 && (err == ECONNREFUSED || err == ENOENT)) {
+    const std::string path = path_of_server(owner, tag, &addr);
+    if (!path.empty()) {
+      where += " or " + path;
+      sock = connect_to(addr, sizeof(addr), &err);
+    }
   }
+  if (sock.get() < 0)
+    throw_gone_or(owner, OsError(err, "torch_ipc: cannot reach the fd server of the producer (" +
+                                          pid_text(owner) + ") at " + where + ": " +
+                                          std::strerror(err) +
+                                          " (it runs in another network namespace and does not "
+                                          "share the socket folder " + socket_dir() +
+                                          " (TORCH_IPC_SOCKET_DIR), or never exported VMM memory)"));
+  check_server(sock.get(), owner, where);
   return sock;
 }
 
@@ -483,6 +588,7 @@ FdTransport fd_transport_from_env() {
 // serves nothing of the parent's: Note [fork].
 void fd_server_forget_after_fork() {
   if (server().listening >= 0) ::close(server().listening);
+  if (server().listening_path >= 0) ::close(server().listening_path);  // its path stays the parent's
   forget_after_fork<Server>();
   forget_after_fork<RefusedOwners>();
 }
@@ -546,6 +652,20 @@ std::vector<ReceivedItem> fd_fetch(const ProcessId& owner, uint64_t id,
   out = fetch_socket(owner, id);
   ++via_socket;
   return out;
+}
+
+void fd_server_unlink_path() noexcept {
+  Server& s = server();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.started_by != getpid() || s.path.empty()) return;
+  ::unlink(s.path.c_str());
+  s.path.clear();
+}
+
+std::string fd_server_path() {
+  Server& s = server();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.started_by == getpid() ? s.path : "";
 }
 
 FdStats fd_stats() {

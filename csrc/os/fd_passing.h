@@ -1,5 +1,6 @@
 // Moving shareable handles (file descriptors, or 64-byte blobs) between processes
-// of one machine: a per-process server on an abstract Unix socket, and pidfd_getfd.
+// of one machine: a per-process server on an abstract Unix socket and at a
+// path in the socket folder, and pidfd_getfd.
 #pragma once
 
 #include <cstdint>
@@ -70,6 +71,12 @@ void fd_unpublish(uint64_t id) noexcept;
 std::vector<ReceivedItem> fd_fetch(const ProcessId& owner, uint64_t id,
                                    const std::vector<int>& remote_fds,
                                    FdTransport mode = fd_transport_from_env());
+
+// At exit: remove the fd server's socket at a path (Note [fd server at a
+// path] in fd_passing.cpp), if it has one.
+void fd_server_unlink_path() noexcept;
+// That path, or "" (no server, or on its abstract socket only).
+std::string fd_server_path();
 
 struct FdStats {
   int64_t published;      // ids this process serves now

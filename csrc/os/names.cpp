@@ -98,10 +98,28 @@ std::string fd_socket_name(const ProcessId& owner, uint32_t tag) {
   return prefix(owner) + hex(tag, 8) + ".fd";
 }
 
+std::string life_file_name(uint32_t key) { return "/torch_ipc.life." + hex(key, 8); }
+
+std::string fd_socket_file_name(uint32_t key, uint32_t tag) {
+  return "torch_ipc." + hex(key, 8) + "." + hex(tag, 8) + ".fd";
+}
+
+std::string anchor_file_name(const SharedFileName& f) {
+  if (f.life) return life_file_name(f.anchor).substr(1);
+  return lease_segment_name(ProcessId{f.pid, f.start_time}, f.anchor).substr(1);
+}
+
 std::optional<SharedFileName> parse_shared_file_name(std::string_view name) {
   NameReader r{name};
   SharedFileName out;
   r.literal("torch_ipc.");
+  if (r.ok && name.substr(r.at, 5) == "life.") {
+    r.literal("life.");
+    out.life = true;
+    out.anchor = static_cast<uint32_t>(r.hex(8));
+    if (!r.done() || out.anchor == 0) return std::nullopt;
+    return out;
+  }
   const uint64_t pid = r.decimal(10);
   out.pid = static_cast<uint32_t>(pid);
   r.literal(".");

@@ -26,6 +26,10 @@ namespace torch_ipc {
 //                                                 owner alive (Note [sweep])
 //   @torch_ipc.<pid>.<start>.<tag>.fd            fd server; <tag> is the high half
 //                                                 of every id it publishes
+//   /torch_ipc.life.<key>                         life file (Note [life files] in
+//                                                 life.h); <key> is 31 random bits
+//   <socket dir>/torch_ipc.<key>.<tag>.fd         fd server at a path (Note [fd
+//                                                 server at a path] in fd_passing.cpp)
 // A host name is at most 62 bytes, so it fits a descriptor's handle field.
 // A forked child needs no renaming here: its pid and start time differ, and
 // each name it creates draws new random parts.
@@ -40,14 +44,20 @@ void queue_random_for_testing(const std::vector<uint64_t>& values);
 std::string lease_segment_name(const ProcessId& owner, uint32_t segment);
 std::string host_segment_name(const ProcessId& owner, uint32_t anchor, uint64_t random);
 std::string fd_socket_name(const ProcessId& owner, uint32_t tag);
+std::string life_file_name(uint32_t key);
+// The file name (no folder) of the fd server at a path of the process whose life key is `key`.
+std::string fd_socket_file_name(uint32_t key, uint32_t tag);
 
 // A /dev/shm file name (without the leading '/') that torch_ipc makes.
 struct SharedFileName {
   uint32_t pid = 0;
   uint64_t start_time = 0;
-  bool lease = false;   // a lease segment; else a host segment
-  uint32_t anchor = 0;  // the lease segment that proves its owner alive
+  bool lease = false;   // a lease segment; else a host segment or a life file
+  bool life = false;    // a life file (pid and start time 0): its own anchor
+  uint32_t anchor = 0;  // the lease segment that proves its owner alive; a life file's key
 };
+// The name of the file whose lock proves the owner of `f` alive, without the leading '/'.
+std::string anchor_file_name(const SharedFileName& f);
 // The parts of `name`, or nothing when torch_ipc would not make that name.
 std::optional<SharedFileName> parse_shared_file_name(std::string_view name);
 

@@ -5,9 +5,13 @@
 #include <sys/syscall.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <climits>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <list>
@@ -105,35 +109,63 @@ Uuid read_boot_id() {
   return id;
 }
 
-}  // namespace
+// Note [whose pid]
+// getpid() counts in this process's PID namespace, /proc/<pid> in the
+// namespace /proc was mounted for: they differ after `unshare --pid --fork`
+// without --mount-proc. A pid is checked in /proc only when both are the
+// namespace the identity was made in; so the namespace is known only when
+// /proc/self is getpid() (then /proc/self/ns/pid is ours), and 0 otherwise,
+// which makes every peer judge this process by its life file.
+uint32_t read_pid_namespace() {
+  char self[32] = {};
+  const ssize_t n = readlink("/proc/self", self, sizeof(self) - 1);
+  if (n <= 0 || std::strtoul(self, nullptr, 10) != static_cast<unsigned long>(getpid())) return 0;
+  struct stat st;
+  if (stat("/proc/self/ns/pid", &st) != 0 || st.st_ino > UINT32_MAX) return 0;
+  return static_cast<uint32_t>(st.st_ino);
+}
 
-namespace {
+ProcessId this_process() {
+  const uint32_t pid = static_cast<uint32_t>(getpid());
+  return ProcessId{pid, start_time_of(pid), 0, read_pid_namespace()};
+}
+
 // Made at load, not at first use (Note [no first use at fork] in fork.h).
-ProcessId self_identity{static_cast<uint32_t>(getpid()), start_time_of(static_cast<uint32_t>(getpid()))};
+ProcessId self_identity = this_process();
+std::atomic<bool> self_has_life{false};
 
 ProcessId& identity() { return self_identity; }
 }  // namespace
 
-const ProcessId& self_process() { return identity(); }
+const ProcessId& self_process() {
+  ProcessId& id = identity();
+  if (!self_has_life.load()) {
+    // Made once (make_life_file serialises), published before the flag.
+    const uint32_t key = make_life_file(id);
+    if (key != 0 && !self_has_life.load()) {
+      id.life = key;
+      self_has_life.store(true);
+    }
+  }
+  return id;
+}
+
+uint32_t own_pid_namespace() { return identity().pidns; }
+
+bool pid_visible(const ProcessId& p) {
+  if (p.pidns == 0 && p.life == 0) return true;  // an identity from before namespaces were recorded
+  return p.pidns != 0 && p.pidns == identity().pidns;
+}
 
 void reset_identity_after_fork() {
-  identity() = ProcessId{static_cast<uint32_t>(getpid()), start_time_of(static_cast<uint32_t>(getpid()))};
+  identity() = this_process();
+  self_has_life.store(false);
 }
 const AfterForkInChild reset_identity(&reset_identity_after_fork, ForkStage::Identity);
 
 const Uuid& boot_id() {
   static const Uuid id = read_boot_id();
   return id;
-}
-
-bool pid_alive(uint32_t pid) {
-  if (pid == 0 || (kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM)) return false;
-  // A killed process that its parent has not reaped yet is a zombie: dead to
-  // us. Stat that cannot be read proves nothing (Note [unknown is not dead]).
-  std::string fields;
-  const int err = read_stat_fields(pid, &fields);
-  if (err != 0) return !no_such_process(err);
-  return fields.empty() || fields[0] != 'Z';
 }
 
 // Note [liveness through pidfd]
@@ -208,10 +240,9 @@ int open_pidfd_of(const ProcessId& p) {
   }
   return fd;
 }
-}  // namespace
 
-LifeCheck check_process(const ProcessId& p) {
-  if (p.pid == 0) return {Life::Dead, 0};
+// Today's check of a pid we can see: /proc, then a pidfd.
+LifeCheck check_visible_process(const ProcessId& p) {
   const PidfdCache::Key key{p.pid, p.start_time};
   std::lock_guard<std::mutex> lock(pidfds_mu);
   int fd = pidfds->find(key);
@@ -230,6 +261,13 @@ LifeCheck check_process(const ProcessId& p) {
   if (ready < 0) return life_from_proc(p);
   pidfds->forget(key);
   return {Life::Dead, 0};
+}
+}  // namespace
+
+LifeCheck check_process(const ProcessId& p) {
+  if (p.pid == 0) return {Life::Dead, 0};
+  if (!pid_visible(p)) return p.life != 0 ? check_life_file(p) : LifeCheck{Life::Unknown, ESRCH};
+  return check_visible_process(p);
 }
 
 bool process_alive(const ProcessId& p) { return check_process(p).life != Life::Dead; }

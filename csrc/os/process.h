@@ -8,12 +8,22 @@
 #include <string>
 
 #include "base/ids.h"
+#include "os/life.h"
 
 namespace torch_ipc {
 
-// This process: pid and start time (clock ticks after boot, /proc/self/stat).
-// A forked child has its own from the moment it is forked (Note [fork] in base/fork.h).
+// This process: pid and start time (clock ticks after boot, /proc/self/stat),
+// its PID namespace, and its life key, the life file made on the first call
+// (Note [life files] in life.h; 0 while it cannot be made). A forked child
+// has its own from the moment it is forked (Note [fork] in base/fork.h).
 const ProcessId& self_process();
+
+// The inode of the PID namespace this process's pids are counted in, when
+// /proc is mounted for that namespace (Note [whose pid] in process.cpp); else 0.
+uint32_t own_pid_namespace();
+// Whether `p`'s pid means the same process here: same PID namespace as ours
+// (or, for an identity that names neither namespace nor life key, assumed).
+bool pid_visible(const ProcessId& p);
 
 // MadeHere: what this process made, as opposed to what a forked child
 // inherited (Note [fork] in base/fork.h).
@@ -34,24 +44,18 @@ void reset_identity_after_fork();
 // machines and between boots of one machine.
 const Uuid& boot_id();
 
-// Whether a process with this pid AND this start time is running, in our PID
-// namespace (a recycled pid has another start time): Dead only on proof (no
-// such process, another start time, its pidfd readable); Unknown with the
-// errno when /proc could not be read (EMFILE, EACCES): Note [unknown is not
-// dead] in sweep.cpp, the same rule for files.
-enum class Life { Alive, Dead, Unknown };
-struct LifeCheck {
-  Life life;
-  int error;  // the errno behind Unknown, else 0
-};
+// Whether the process `p` is running. Where its pid is visible
+// (pid_visible), a process with this pid AND this start time, in our PID
+// namespace (a recycled pid has another start time); elsewhere its life file
+// (Note [life files]); neither: Unknown (ESRCH). Dead only on proof (no such
+// process, another start time, its pidfd readable, its life file unlocked);
+// Unknown with the errno when /proc or the file could not be read (EMFILE,
+// EACCES): Note [unknown is not dead] in sweep.cpp, the same rule for files.
 LifeCheck check_process(const ProcessId& p);
 
 // Not proven dead: check_process(p).life != Life::Dead. What frees, reclaims
 // or unmaps because a process died asks this, so "could not check" keeps.
 bool process_alive(const ProcessId& p);
-
-// Only the pid, for holder slots that store 32 bits: kill(pid, 0).
-bool pid_alive(uint32_t pid);
 
 // Close the pidfds process_alive() keeps for processes that have exited
 // since (the collector calls it; process_alive() alone closes a pidfd only

@@ -45,8 +45,8 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free, "need address-free ato
 
 constexpr size_t kSegmentBytes = sizeof(Slot) * kSlotsPerSegment;
 
-uint64_t holder_word(uint32_t pid, uint32_t count) { return (uint64_t(pid) << 32) | count; }
-uint32_t holder_pid(uint64_t w) { return static_cast<uint32_t>(w >> 32); }
+uint64_t holder_word(uint32_t key, uint32_t count) { return (uint64_t(key) << 32) | count; }
+uint32_t holder_key(uint64_t w) { return static_cast<uint32_t>(w >> 32); }
 // A forwarder's pending deliveries live in a word of their own, marked by this
 // bit, so that a consumer moving one to itself never takes the forwarder's own
 // holds (a descriptor loaded more often than it was meant to be).
@@ -55,12 +55,26 @@ constexpr uint32_t kDeliveryBit = 0x80000000u;
 // The answers of the HolderLivenessCycle of this thread, if one is open.
 thread_local std::unordered_map<uint32_t, bool>* cycle_answers = nullptr;
 
+// Not proven dead (Note [unknown is not dead] in sweep.cpp), by its life file.
+bool key_alive(uint32_t key) { return check_life_key(key).life != Life::Dead; }
+
 bool holder_alive(uint64_t w) {
-  const uint32_t pid = holder_pid(w) & ~kDeliveryBit;
-  if (cycle_answers == nullptr) return pid_alive(pid);
-  auto [it, inserted] = cycle_answers->emplace(pid, false);
-  if (inserted) it->second = pid_alive(pid);
+  const uint32_t key = holder_key(w) & ~kDeliveryBit;
+  if (cycle_answers == nullptr) return key_alive(key);
+  auto [it, inserted] = cycle_answers->emplace(key, false);
+  if (inserted) it->second = key_alive(key);
   return it->second;
+}
+
+// This process's life key, the name of its holder words: Note [life files].
+// Without one no hold can be taken: a word that named nothing would look dead
+// and be reclaimed under this process.
+uint32_t own_holder_key() {
+  const uint32_t key = self_process().life;
+  if (key == 0)
+    throw os_error(life_file_error(), "creating", "this process's life file in /dev/shm",
+                   "(a holder is named by it: Note [life files])");
+  return key;
 }
 uint32_t holder_count(uint64_t w) { return static_cast<uint32_t>(w); }
 
@@ -109,7 +123,9 @@ class Leases {
                               std::to_string(lease.segment));
       return slot_in(it->second.get(), lease.slot);
     }
-    auto key = std::make_tuple(lease.owner.pid, lease.owner.start_time, lease.segment);
+    // The life key too: a descriptor that names another one for this segment
+    // gets a mapping of its own, judged by what it said.
+    auto key = std::make_tuple(lease.owner.pid, lease.owner.start_time, lease.owner.life, lease.segment);
     auto it = foreign_.find(key);
     if (it == foreign_.end()) {
       const std::string name = lease_segment_name(lease.owner, lease.segment);
@@ -122,9 +138,9 @@ class Leases {
                        ") no longer shares lease segment " + name +
                        " (it is exiting, or the descriptor is not from it)");
       }
-      it = foreign_.emplace(key, std::move(mapping)).first;
+      it = foreign_.emplace(key, Foreign{lease.owner, std::move(mapping)}).first;
     }
-    return slot_in(it->second.get(), lease.slot);
+    return slot_in(it->second.mapping.get(), lease.slot);
   }
 
   // Unmap the segments of producers that exited: nobody reads their counters
@@ -132,8 +148,8 @@ class Leases {
   void drop_dead_foreign() {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = foreign_.begin(); it != foreign_.end();) {
-      ProcessId owner{std::get<0>(it->first), std::get<1>(it->first)};
-      if (process_alive(owner)) {
+      // The whole identity: a pid of another PID namespace says nothing here.
+      if (process_alive(it->second.owner)) {
         ++it;
       } else {
         it = foreign_.erase(it);
@@ -189,7 +205,11 @@ class Leases {
 
   std::mutex mu_;
   std::map<uint32_t, std::unique_ptr<ShmMapping>> own_;
-  std::map<std::tuple<uint32_t, uint64_t, uint32_t>, std::unique_ptr<ShmMapping>> foreign_;
+  struct Foreign {
+    ProcessId owner;  // as the descriptors that name it say
+    std::unique_ptr<ShmMapping> mapping;
+  };
+  std::map<std::tuple<uint32_t, uint64_t, uint32_t, uint32_t>, Foreign> foreign_;
   std::vector<std::pair<uint32_t, uint32_t>> free_;
   uint64_t next_generation_ = 0;
   uint32_t anchor_ = 0;  // the first own segment: the anchor of host segments
@@ -197,16 +217,16 @@ class Leases {
 
 // Add n holds for `pid` to an existing word of it, or to a free one; false
 // when all holder words are taken.
-bool add_to_holder_words(Slot* s, uint32_t pid, uint32_t n) {
+bool add_to_holder_words(Slot* s, uint32_t key, uint32_t n) {
   for (auto& h : s->holders) {
     uint64_t w = h.load();
-    while (w != 0 && holder_pid(w) == pid) {
+    while (w != 0 && holder_key(w) == key) {
       if (h.compare_exchange_weak(w, w + n)) return true;
     }
   }
   for (auto& h : s->holders) {
     uint64_t expected = 0;
-    if (h.compare_exchange_strong(expected, holder_word(pid, n))) return true;
+    if (h.compare_exchange_strong(expected, holder_word(key, n))) return true;
   }
   return false;
 }
@@ -221,18 +241,18 @@ bool clear_dead_holders(Slot* s) {
   return cleared;
 }
 
-// Add n holds for `pid`; false when all holder words are taken by living
+// Add n holds for `key`; false when all holder words are taken by living
 // holders (Note [holder limit]).
-bool add_holder(Slot* s, uint32_t pid, uint32_t n = 1) {
-  if (add_to_holder_words(s, pid, n)) return true;
-  return clear_dead_holders(s) && add_to_holder_words(s, pid, n);
+bool add_holder(Slot* s, uint32_t key, uint32_t n = 1) {
+  if (add_to_holder_words(s, key, n)) return true;
+  return clear_dead_holders(s) && add_to_holder_words(s, key, n);
 }
 
-// Remove up to n holds of `pid`; returns how many were there to remove.
-uint32_t remove_holder(Slot* s, uint32_t pid, uint32_t n = 1) {
+// Remove up to n holds of `key`; returns how many were there to remove.
+uint32_t remove_holder(Slot* s, uint32_t key, uint32_t n = 1) {
   for (auto& h : s->holders) {
     uint64_t w = h.load();
-    while (w != 0 && holder_pid(w) == pid) {
+    while (w != 0 && holder_key(w) == key) {
       uint32_t take = std::min(n, holder_count(w));
       uint64_t next = holder_count(w) <= take ? 0 : w - take;
       if (h.compare_exchange_weak(w, next)) return take;
@@ -276,7 +296,7 @@ bool has_living_holder(Slot* s) {
   throw_released_by_consumers(lease);
 }
 
-// Register n holds under `holder` (a pid, or a forwarder's delivery word),
+// Register n holds under `holder` (a life key, or a forwarder's delivery word),
 // then check the export still lives: the consumer's half of Note [leases].
 void hold_as(Slot* s, const LeaseRecord& lease, uint32_t holder, uint32_t n) {
   if (!add_holder(s, holder, n))  // Note [holder limit] in refcount.h
@@ -346,25 +366,25 @@ LeaseCounts lease_counts(const LeaseRecord& lease) {
 
 void lease_hold(const LeaseRecord& lease, bool take_token) {
   Slot* s = Leases::get().slot(lease);
-  hold_as(s, lease, self_process().pid, 1);
+  hold_as(s, lease, own_holder_key(), 1);
   if (take_token) take_one_token(s);
 }
 
 void lease_unhold(const LeaseRecord& lease) noexcept {
   try {
-    remove_holder(Leases::get().slot(lease), self_process().pid);
+    remove_holder(Leases::get().slot(lease), self_process().life);
   } catch (...) {
     // The owner's segment is gone: nobody is left to tell.
   }
 }
 
 void lease_add_deliveries(const LeaseRecord& lease, uint32_t n) {
-  hold_as(Leases::get().slot(lease), lease, self_process().pid | kDeliveryBit, n);
+  hold_as(Leases::get().slot(lease), lease, own_holder_key() | kDeliveryBit, n);
 }
 
-void lease_remove_deliveries(const LeaseRecord& lease, uint32_t forwarder_pid, uint32_t n) noexcept {
+void lease_remove_deliveries(const LeaseRecord& lease, uint32_t forwarder_key, uint32_t n) noexcept {
   try {
-    remove_holder(Leases::get().slot(lease), forwarder_pid | kDeliveryBit, n);
+    remove_holder(Leases::get().slot(lease), forwarder_key | kDeliveryBit, n);
   } catch (...) {
   }
 }
@@ -379,12 +399,12 @@ void lease_abandon(const LeaseRecord& lease) noexcept {
   }
 }
 
-bool lease_names_holder(const LeaseRecord& lease, uint32_t pid) {
+bool lease_names_holder(const LeaseRecord& lease, uint32_t key) {
   Slot* s = Leases::get().slot(lease);
   if (s->generation.load() != lease.generation) throw_released(s, lease);
   for (auto& h : s->holders) {
     const uint64_t w = h.load();
-    if (w != 0 && (holder_pid(w) & ~kDeliveryBit) == pid) return true;
+    if (key != 0 && w != 0 && (holder_key(w) & ~kDeliveryBit) == key) return true;
   }
   return false;
 }

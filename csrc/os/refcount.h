@@ -12,14 +12,16 @@ namespace torch_ipc {
 // Every export owns one slot in a shared-memory segment of its producer:
 //   generation  which export lives in the slot (0: free or being reclaimed)
 //   tokens      loads still expected (the `consumers` of dumps)
-//   holders[]   one word per consumer process: (pid << 32) | number of holds
+//   holders[]   one word per consumer process: (life key << 32) | number of
+//               holds (Note [life files] in life.h: a pid of another PID
+//               namespace would name nothing here, or another process)
 // A load registers a hold under its pid FIRST, then checks the generation,
 // then takes a token if one is left. The producer reclaims only when no token
 // is left and no living process holds: it zeroes the generation, looks at the
 // holders again and restores the generation if it finds one. With sequentially
 // consistent atomics one of the two sees the other, so an export is never
 // reclaimed under a consumer that got through its check. A consumer killed
-// while holding leaves its word behind; the producer sees its pid is gone.
+// while holding leaves its word behind; the producer sees its life file unlocked.
 // A hold is always released by the process that took it, after its GPU work
 // on the memory has finished (import.cpp).
 //
@@ -63,22 +65,22 @@ void lease_hold(const LeaseRecord& lease, bool take_token);
 void lease_unhold(const LeaseRecord& lease) noexcept;
 // Forwarding: the forwarder holds n pending deliveries for the consumers it
 // sends to; each consumer, once it holds on its own, removes one of them
-// (forwarder_pid: the descriptor's producer), and the forwarder removes those
-// nobody will load (itself).
+// (forwarder_key: the life key of the descriptor's producer), and the
+// forwarder removes those nobody will load (itself).
 void lease_add_deliveries(const LeaseRecord& lease, uint32_t n);
-void lease_remove_deliveries(const LeaseRecord& lease, uint32_t forwarder_pid, uint32_t n) noexcept;
-// Whether `pid` holds at the lease's slot or has deliveries pending there, as
+void lease_remove_deliveries(const LeaseRecord& lease, uint32_t forwarder_key, uint32_t n) noexcept;
+// Whether the process of life key `key` holds at the lease's slot or has deliveries pending there, as
 // a forwarder of it does (Note [forwarder cross-check] in core/import.cpp).
 // Throws Released when the export was reclaimed.
-bool lease_names_holder(const LeaseRecord& lease, uint32_t pid);
+bool lease_names_holder(const LeaseRecord& lease, uint32_t key);
 // A load in the owner process itself: check the export lives and take one
 // token (if `take` and one is left), without holding.
 void lease_take_token(const LeaseRecord& lease, bool take = true);
 
 // Note [liveness per cycle]
-// Whether a holder lives is kill() and a read of /proc/<pid>/stat (~10 us).
+// Whether a holder lives is a look at its life file (a few us).
 // A collection looks at every held export, and the same few consumers hold
-// most of them: while a HolderLivenessCycle lives in a thread, each pid is
+// most of them: while a HolderLivenessCycle lives in a thread, each holder is
 // asked once and the answer reused, so a collection costs one check per
 // consumer process, not one per holder word.
 class HolderLivenessCycle {

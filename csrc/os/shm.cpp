@@ -180,6 +180,15 @@ std::unique_ptr<ShmMapping> ShmMapping::open(const std::string& name, size_t min
   return std::unique_ptr<ShmMapping>(new ShmMapping(name, p, mapped, false));
 }
 
+std::optional<bool> segment_made_by(int fd, const ProcessId& creator) {
+  Identity id{};
+  ssize_t got;
+  do got = pread(fd, &id, sizeof(id), 0);
+  while (got < 0 && errno == EINTR);
+  if (got < 0) return std::nullopt;
+  return got == static_cast<ssize_t>(sizeof(id)) && identity_mismatch(&id, creator).empty();
+}
+
 void ShmMapping::unlink() {
   if (linked_) {
     // ENOENT: the name is gone already; nothing is lost.

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "base/ids.h"
@@ -69,5 +70,9 @@ class ShmMapping {
   bool linked_;
   int lock_fd_;  // an anchor's open file, holding its OFD lock; -1 otherwise
 };
+
+// Whether the segment open at `fd` has `creator`'s identity page (Note
+// [segment identity]); nothing when it could not be read.
+std::optional<bool> segment_made_by(int fd, const ProcessId& creator);
 
 }  // namespace torch_ipc

@@ -22,7 +22,13 @@ namespace {
 constexpr time_t kCreatingSeconds = 60;  // an anchor without bytes is being created
 std::atomic<int64_t> swept{0};  // files this process's sweeps removed
 
-using AnchorKey = std::tuple<uint32_t, uint64_t, uint32_t>;  // pid, start time, segment
+bool owned_regular_file(int dir, const std::string& name) {
+  struct stat st;
+  return fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
+         st.st_uid == geteuid();
+}
+
+}  // namespace
 
 // Note [unknown is not dead]
 // Only a positive proof of death may delete: the anchor's OFD lock free, or
@@ -31,14 +37,17 @@ using AnchorKey = std::tuple<uint32_t, uint64_t, uint32_t>;  // pid, start time,
 // other failure to look (EMFILE, ENFILE, ENOMEM, EACCES) says nothing about
 // the owner: its files stay, and a later sweep judges them again. A process
 // at its fd limit would otherwise delete every live producer's files.
-enum class Anchor { Alive, Dead, Unknown };
-
-// Whether the anchor `name` proves its owner alive: it exists, is ours, and
-// is locked (or has no bytes yet, and is young). The size is read before the
-// lock: its owner locked before it gave it bytes.
 Anchor judge_anchor(int dir, const std::string& name) {
   int fd = openat(dir, name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return errno == ENOENT || errno == ELOOP ? Anchor::Dead : Anchor::Unknown;
+  const Anchor verdict = judge_open_anchor(fd);
+  close(fd);
+  return verdict;
+}
+
+// It is ours and locked (or has no bytes yet, and is young). The size is
+// read before the lock: its owner locked before it gave it bytes.
+Anchor judge_open_anchor(int fd) {
   struct stat st;
   Anchor verdict = Anchor::Alive;
   if (fstat(fd, &st) != 0) {
@@ -56,42 +65,29 @@ Anchor judge_anchor(int dir, const std::string& name) {
     else if (probe.l_type == F_UNLCK)
       verdict = Anchor::Dead;
   }
-  close(fd);
   return verdict;
 }
-
-bool owned_regular_file(int dir, const std::string& name) {
-  struct stat st;
-  return fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
-         st.st_uid == geteuid();
-}
-
-}  // namespace
 
 int sweep_stale_shm() noexcept {
   try {
     std::unique_ptr<DIR, int (*)(DIR*)> listing(opendir("/dev/shm"), &closedir);
     if (!listing) return 0;
     const int dir = dirfd(listing.get());
-    std::vector<std::pair<std::string, AnchorKey>> files;
+    std::vector<std::pair<std::string, std::string>> files;  // name, its anchor's name
     while (dirent* entry = readdir(listing.get())) {
       std::string name = entry->d_name;
       auto parsed = parse_shared_file_name(name);
       if (!parsed || !owned_regular_file(dir, name)) continue;
-      files.emplace_back(name, AnchorKey{parsed->pid, parsed->start_time, parsed->anchor});
+      files.emplace_back(name, anchor_file_name(*parsed));
     }
-    std::map<AnchorKey, bool> dead;  // Note [unknown is not dead]
-    for (const auto& [name, key] : files) {
-      if (dead.count(key)) continue;
-      ProcessId owner{std::get<0>(key), std::get<1>(key)};
-      dead[key] = judge_anchor(dir, lease_segment_name(owner, std::get<2>(key)).substr(1)) == Anchor::Dead;
-    }
+    std::map<std::string, bool> dead;  // Note [unknown is not dead]
+    for (const auto& [name, anchor] : files)
+      if (!dead.count(anchor)) dead[anchor] = judge_anchor(dir, anchor) == Anchor::Dead;
     // Anchors last: while one is there, its files are judged by it.
     int removed = 0;
     for (bool anchors : {false, true})
-      for (const auto& [name, key] : files)
-        if (dead[key] && parse_shared_file_name(name)->lease == anchors)
-          removed += unlinkat(dir, name.c_str(), 0) == 0;
+      for (const auto& [name, anchor] : files)
+        if (dead[anchor] && (name == anchor) == anchors) removed += unlinkat(dir, name.c_str(), 0) == 0;
     swept += removed;
     return removed;
   } catch (...) {  // std::bad_alloc: sweeping is never worth failing an export

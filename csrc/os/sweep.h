@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace torch_ipc {
 
@@ -23,6 +24,15 @@ namespace torch_ipc {
 // being created; it is stale only once it is a minute old. An anchor that
 // cannot be looked at (no fd left) keeps its files (Note [unknown is not dead]
 // in sweep.cpp).
+
+// A life file (Note [life files] in life.h) is an anchor of its own.
+//
+// Whether the anchor file `name` (relative to the folder `dir`, or a path
+// with AT_FDCWD) proves its owner alive: Note [unknown is not dead] in sweep.cpp.
+enum class Anchor { Alive, Dead, Unknown };
+Anchor judge_anchor(int dir, const std::string& name);
+// The same of an anchor file open at `fd`.
+Anchor judge_open_anchor(int fd);
 
 // Remove the stale files; returns how many. Never throws.
 int sweep_stale_shm() noexcept;

@@ -13,14 +13,9 @@
 #include "wire/vmm_handle.h"
 
 namespace torch_ipc::python {
+namespace {
 
-void bind_testing(py::module_& m) {
-  py::module_ testing = m.def_submodule("_testing", "primitives torch_ipc's own tests drive directly");
-  testing.def("vmm_mapping_view", &vmm_mapping_view, py::arg("tensor"));
-  testing.def("kv_stall_mid_operation", [](BlockAllocator& a) {
-    py::gil_scoped_release release;
-    a.stall_mid_operation_for_tests();
-  });
+void bind_fd_testing(py::module_& testing) {
   // fd passing primitives: publish fds of this process, fetch another's.
   // The socket that serves export `id` of a process (Note [fd server name]).
   testing.def("fd_socket_name", [](uint32_t pid, uint64_t start_time, uint64_t id) {
@@ -38,7 +33,7 @@ void bind_testing(py::module_& m) {
   testing.def(
       "fd_fetch",
       [](uint32_t pid, uint64_t start_time, uint64_t id, const std::vector<int>& remote_fds,
-         const std::string& mode) {
+         const std::string& mode, uint32_t life, uint32_t pidns) {
         FdTransport t = mode.empty() ? fd_transport_from_env()
                         : mode == "socket" ? FdTransport::Socket
                         : mode == "pidfd"  ? FdTransport::Pidfd
@@ -46,14 +41,28 @@ void bind_testing(py::module_& m) {
         std::vector<ReceivedItem> items;
         {
           py::gil_scoped_release release;
-          items = fd_fetch(ProcessId{pid, start_time}, id, remote_fds, t);
+          items = fd_fetch(ProcessId{pid, start_time, life, pidns}, id, remote_fds, t);
         }
         py::list out;  // (fd, size) pairs; the caller owns and closes the fds
         for (auto& item : items) out.append(py::make_tuple(item.fd.release(), item.size));
         return out;
       },
       py::arg("pid"), py::arg("start_time"), py::arg("id"), py::arg("remote_fds"),
-      py::arg("mode") = "");
+      py::arg("mode") = "", py::arg("life") = 0, py::arg("pidns") = 0);
+  // The fd server's socket at a path (Note [fd server at a path]), or "".
+  testing.def("fd_server_path", &fd_server_path);
+}
+
+}  // namespace
+
+void bind_testing(py::module_& m) {
+  py::module_ testing = m.def_submodule("_testing", "primitives torch_ipc's own tests drive directly");
+  testing.def("vmm_mapping_view", &vmm_mapping_view, py::arg("tensor"));
+  testing.def("kv_stall_mid_operation", [](BlockAllocator& a) {
+    py::gil_scoped_release release;
+    a.stall_mid_operation_for_tests();
+  });
+  bind_fd_testing(testing);
   // The VMM handle field codec (csrc/vmm_handle.h), for its CPU tests.
   testing.def(
       "vmm_handle_encode",

@@ -13,10 +13,10 @@ namespace {
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "the descriptor is little-endian and written with memcpy");
 
-constexpr size_t kHeaderBytes = 72;
-constexpr size_t kChecksumOffset = 64;
+constexpr size_t kHeaderBytes = 80;
+constexpr size_t kChecksumOffset = 72;
 constexpr size_t kEventBytes = 72;
-constexpr size_t kLeaseBytes = 32;
+constexpr size_t kLeaseBytes = 40;
 constexpr size_t kAllocBytes = 80;
 constexpr size_t kStorageBytes = 24;
 constexpr size_t kTensorHeadBytes = 16;
@@ -201,6 +201,8 @@ Counts read_header(Reader& r, const uint8_t* data, size_t size, Descriptor& d) {
   n.payload = r.get<uint32_t>("payload length");
   d.producer.pid = r.get<uint32_t>("producer pid");
   d.producer.start_time = r.get<uint64_t>("producer start time");
+  d.producer.life = r.get<uint32_t>("producer life key");
+  d.producer.pidns = r.get<uint32_t>("producer PID namespace");
   r.bytes(d.boot_id.data(), 16, "boot id");
   uint64_t sum = r.get<uint64_t>("checksum");
   if (sum != checksum(data, size)) bad("checksum mismatch (the bytes were corrupted or changed)");
@@ -229,8 +231,10 @@ LeaseRecord read_lease(Reader& r) {
   l.segment = r.get<uint32_t>("lease segment");
   l.owner.start_time = r.get<uint64_t>("lease start time");
   l.slot = r.get<uint32_t>("lease slot");
-  r.zeros(4, "lease padding");
+  l.owner.life = r.get<uint32_t>("lease life key");
   l.generation = r.get<uint64_t>("lease generation");
+  l.owner.pidns = r.get<uint32_t>("lease PID namespace");
+  r.zeros(4, "lease padding");
   if (l.owner.pid == 0 || l.generation == 0) bad("lease names no process or generation");
   return l;
 }
@@ -328,6 +332,8 @@ std::string encode(const Descriptor& d) {
   w.put<uint32_t>(static_cast<uint32_t>(d.payload.size()));
   w.put<uint32_t>(d.producer.pid);
   w.put<uint64_t>(d.producer.start_time);
+  w.put<uint32_t>(d.producer.life);
+  w.put<uint32_t>(d.producer.pidns);
   w.bytes(d.boot_id.data(), 16);
   w.put<uint64_t>(0);  // checksum, filled in last
 
@@ -342,8 +348,10 @@ std::string encode(const Descriptor& d) {
     w.put<uint32_t>(l.segment);
     w.put<uint64_t>(l.owner.start_time);
     w.put<uint32_t>(l.slot);
-    w.zeros(4);
+    w.put<uint32_t>(l.owner.life);
     w.put<uint64_t>(l.generation);
+    w.put<uint32_t>(l.owner.pidns);
+    w.zeros(4);
   }
   for (const auto& a : d.allocs) {
     w.put<uint8_t>(static_cast<uint8_t>(a.kind));

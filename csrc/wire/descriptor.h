@@ -17,7 +17,7 @@
 namespace torch_ipc {
 
 // Note [descriptor layout]
-// header (72 B, the last 8 a checksum) | devices | events | leases | allocs | storages | tensors | payload
+// header (80 B, the last 8 a checksum) | devices | events | leases | allocs | storages | tensors | payload
 // A batch (a list, a dict, a state_dict) is ONE descriptor: a table of the
 // distinct base allocations, one event per device, one lease per producer,
 // then a small record per storage and per tensor. Each fact is written once:
@@ -28,7 +28,9 @@ namespace torch_ipc {
 // it names. The payload is the pickled skeleton of the user's object
 // (tensors replaced by their index) and is opaque here.
 constexpr uint32_t kMagic = 0x43504954;  // "TIPC"
-constexpr uint16_t kVersion = 2;
+// Version 3: the producer and each lease owner carry a life key and a PID
+// namespace (Note [life files] in os/life.h); the header is 80 bytes, a lease 40.
+constexpr uint16_t kVersion = 3;
 constexpr uint16_t kNone16 = 0xFFFF;
 constexpr uint32_t kNoAlloc = 0xFFFFFFFF;
 constexpr int kMaxDims = 64;

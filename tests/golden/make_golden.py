@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch_ipc  # noqa: E402
 from test_descriptor import HEADER, seal  # noqa: E402
 
-VERSION = 2
+VERSION = 3
 MAGIC = b"TIPC"
 KIND = {"cuda_ipc": 1, "cuda_vmm": 2, "cpu_shm": 3}
 NONE16 = 0xFFFF
@@ -34,8 +34,8 @@ def encode(d: dict) -> bytes:
     """The descriptor of layout ``d`` (the format of csrc/wire/descriptor.cpp's encode)."""
     body = b"".join(bytes.fromhex(u) for u in d["devices"])
     body += b"".join(struct.pack("<H6x", e["device"]) + bytes.fromhex(e["handle"]) for e in d["events"])
-    body += b"".join(struct.pack("<IIQI4xQ", l["pid"], l["segment"], l["start_time"], l["slot"], l["generation"])
-                     for l in d["leases"])
+    body += b"".join(struct.pack("<IIQIIQI4x", l["pid"], l["segment"], l["start_time"], l["slot"], l["life"],
+                                 l["generation"], l["pidns"]) for l in d["leases"])
     body += b"".join(struct.pack("<BxHH2xQ", KIND[a["kind"]], a["device"], a["lease"], a["size"])
                      + bytes.fromhex(a["handle"]) for a in d["allocs"])
     body += b"".join(struct.pack("<IH2xQQ", s["alloc"], s["device"], s["offset"], s["nbytes"]) for s in d["storages"])
@@ -47,7 +47,7 @@ def encode(d: dict) -> bytes:
     total = HEADER.size + len(body) + len(payload)
     header = HEADER.pack(MAGIC, VERSION, d["flags"], total, len(d["devices"]), len(d["events"]), len(d["leases"]), 0,
                          len(d["allocs"]), len(d["storages"]), len(d["tensors"]), len(payload), d["pid"],
-                         d["start_time"], bytes.fromhex(d["boot_id"]), 0)
+                         d["start_time"], d["life"], d["pidns"], bytes.fromhex(d["boot_id"]), 0)
     return seal(header + body + payload)
 
 
@@ -57,11 +57,13 @@ def layout(data: bytes) -> dict:
 
     p, _ = parse(data)
     return {
-        "flags": p["flags"], "pid": p["pid"], "start_time": p["start_time"], "boot_id": p["boot"].hex(),
+        "flags": p["flags"], "pid": p["pid"], "start_time": p["start_time"], "life": p["life"], "pidns": p["pidns"],
+        "boot_id": p["boot"].hex(),
         "devices": [u.hex() for u in p["devices"]],
         "events": [{"device": e["device"], "handle": data[e_off(p, i) + 8:e_off(p, i) + 72].hex()}
                    for i, e in enumerate(p["events"])],
-        "leases": [{k: l[k] for k in ("pid", "segment", "start_time", "slot", "generation")} for l in p["leases"]],
+        "leases": [{k: l[k] for k in ("pid", "segment", "start_time", "slot", "life", "generation", "pidns")}
+                   for l in p["leases"]],
         "allocs": [{"kind": {v: k for k, v in KIND.items()}[a["kind"]], "device": a["device"], "lease": a["lease"],
                     "size": a["size"], "handle": a["handle"].hex()} for a in p["allocs"]],
         "storages": [{"alloc": s["alloc"], "device": s["device"], "offset": s["byte_offset"], "nbytes": s["nbytes"]}

@@ -243,9 +243,13 @@ class Connection:
 # SO_PEERCRED, the pid of the process that connected or listened, as our PID
 # namespace sees it) that pid is taken; the one sent counts only over TCP. The
 # start time is the peer's word (the kernel does not tell it): a false one can
-# only make us take the peer for dead and give back what it did not load.
+# only make us take the peer for dead and give back what it did not load. A
+# peer in another PID namespace is not visible: SO_PEERCRED says 0, and the
+# pid it sends counts in its namespace, so it is judged by the life key and
+# PID namespace it sends (Note [life files] in csrc/os/life.h), words as true
+# as its start time.
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-_IDENTITY = struct.Struct("<IQ")  # pid, start time
+_IDENTITY = struct.Struct("<IQII")  # pid, start time, life key, PID namespace
 
 
 def _peer_pid_from_kernel(conn: mpc.Connection) -> int:
@@ -266,12 +270,15 @@ def _peer_pid_from_kernel(conn: mpc.Connection) -> int:
 
 
 def _exchange_identities(conn: mpc.Connection) -> _process.ProcessId:
-    conn.send_bytes(_IDENTITY.pack(*_process.self_process()))
+    conn.send_bytes(_IDENTITY.pack(*_process.self_identity()))
     data = conn.recv_bytes(32)
     if len(data) != _IDENTITY.size:
         raise ConnectionError("torch_ipc: the peer is not a torch_ipc endpoint of this version")
-    said_pid, start_time = _IDENTITY.unpack(data)
-    return _peer_pid_from_kernel(conn) or said_pid, start_time  # Note [peer pid]
+    said_pid, start_time, life, pidns = _IDENTITY.unpack(data)
+    kernel_pid = _peer_pid_from_kernel(conn)  # Note [peer pid]
+    if kernel_pid:  # a pid of our namespace
+        return kernel_pid, start_time, life, _C.pid_namespace()
+    return said_pid, start_time, life, pidns
 
 
 # Note [handshake time limit]

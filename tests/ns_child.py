@@ -1,0 +1,89 @@
+"""The process that tests/test_containers.py runs in new PID, network and IPC
+namespaces (tests/namespace_helpers.py): one job per invocation, named by the
+first argument; results as JSON lines on stdout."""
+import json
+import os
+import sys
+import time
+
+import torch
+
+import torch_ipc
+from torch_ipc import _C, _process
+
+
+def say(**kw) -> None:
+    sys.stdout.write(json.dumps(kw) + "\n")
+    sys.stdout.flush()
+
+
+def namespace() -> dict:
+    return dict(pid=os.getpid(), pidns=os.stat("/proc/self/ns/pid").st_ino, netns=os.stat("/proc/self/ns/net").st_ino)
+
+
+def hold_forever() -> None:
+    while True:
+        time.sleep(60)
+
+
+def load(path: str, *flags: str) -> None:
+    """Load the descriptor in `path`; report; add 1 to it ('write'); stay ('hold')."""
+    try:
+        x = torch_ipc.loads(open(path, "rb").read())
+    except Exception as e:  # reported, not raised: the test checks which error
+        say(error=type(e).__name__, message=str(e), **namespace())
+        return
+    if "write" in flags:
+        x.add_(1)
+    for _ in range(3):  # collections must keep the living producer's lease segment mapped
+        torch_ipc.collect()
+    say(values=x.tolist(), lease_segments=_C.stats()["lease_segments"], **namespace())
+    if "hold" in flags:
+        hold_forever()
+
+
+def client(address: str, authkey_hex: str, *flags: str) -> None:
+    """Connect to a Listener at a socket path, receive a tensor, add 1, send its sum back."""
+    with torch_ipc.connect(address, authkey=bytes.fromhex(authkey_hex)) as c:
+        x = c.recv()
+        x.add_(1)
+        c.send(float(x.sum()))
+        # The listener's pid is not visible here (SO_PEERCRED says 0): judged by its life key.
+        say(values=x.tolist(), peer=list(c._peer), peer_alive=_process.alive(c._peer), **namespace())
+        if "hold" in flags:
+            hold_forever()
+        c.recv()  # until the producer says goodbye
+
+
+def produce(path: str) -> None:
+    """Export a tensor into `path`, report this process's /dev/shm files, and stay."""
+    x = torch.arange(8.0)
+    data = torch_ipc.dumps(x, consumers=None)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.rename(tmp, path)
+    pid, start, life, pidns = _C.self_identity()
+    life_file = f"torch_ipc.life.{life:08x}"
+    mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"torch_ipc.{pid}.{start}.") or n == life_file]
+    say(files=sorted(mine), life=life, **namespace())
+    hold_forever()
+
+
+def fetch_fds(pid: str, start: str, life: str, pidns: str, ident: str, mode: str = "", remote: str = "") -> None:
+    """Fetch the fds export `ident` of a producer elsewhere published; report their bytes."""
+    remote_fds = [int(f) for f in remote.split(",") if f]
+    try:
+        got = _C._testing.fd_fetch(int(pid), int(start), int(ident), remote_fds, mode, int(life), int(pidns))
+    except OSError as e:
+        say(error=type(e).__name__, message=str(e))
+        return
+    out = []
+    for fd, _size in got:
+        out.append(os.pread(fd, 64, 0).rstrip(b"\0").decode())
+        os.close(fd)
+    say(contents=out)
+
+
+if __name__ == "__main__":
+    {"load": load, "client": client, "produce": produce, "fetch_fds": fetch_fds}[sys.argv[1]](*sys.argv[2:])
