@@ -8,6 +8,13 @@ pytest's own tmp_path folders stay where they were, PYTEST_DEBUG_TEMPROOT).
 When the run ends (and its processes had up to 10 s to exit), whatever is
 left in it was left by the suite or by torch_ipc, not by another program on
 the machine: the run fails and names it.
+
+The tests sit in folders by what they protect: wire (the descriptor format),
+sharing, lifetime, channel, security, containers, weights, kv, distributed,
+install (what a new user meets: install, README, layers). Helpers several
+folders use live here, at the top: pytest puts this folder on sys.path, and a
+test that needs another folder's test module imports it by folder
+(``from wire.test_descriptor import seal``).
 """
 import os
 import shutil

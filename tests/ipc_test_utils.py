@@ -31,7 +31,7 @@ _DTYPE_NAMES = [
 
 def loads(data: bytes) -> Any:
     """torch_ipc.loads of what the tests send: modules, dataclasses and other
-    objects besides tensors, so full pickle (tests/test_weights_only.py tests
+    objects besides tensors, so full pickle (tests/security/test_loads_weights_only.py tests
     the default, weights_only=True)."""
     return torch_ipc.loads(data, weights_only=False)
 

@@ -1,5 +1,5 @@
 """Processes in new PID, network and IPC namespaces (as in containers that share
-/dev/shm and a uid but not hostPID or hostNetwork), for tests/test_containers.py.
+/dev/shm and a uid but not hostPID or hostNetwork), for tests/containers/test_containers.py.
 
 `unshare --pid --net --ipc --fork --mount-proc` needs root (CI runs as root);
 where it is refused the tests skip saying so. Each child runs in a session of

@@ -1,4 +1,4 @@
-"""The process that tests/test_containers.py runs in new PID, network and IPC
+"""The process that tests/containers/test_containers.py runs in new PID, network and IPC
 namespaces (tests/namespace_helpers.py): one job per invocation, named by the
 first argument; results as JSON lines on stdout."""
 import json

@@ -16,7 +16,7 @@ import torch
 import torch_ipc
 from torch_ipc import _torch_check
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 120
 
 
@@ -222,7 +222,7 @@ def test_sdist_carries_what_the_readme_points_to(tmp_path):
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     for path in ["LICENSE", "README.md", "setup.py", "pyproject.toml", "build_tools/cuda_headers.py",
                  "build_tools/build_torch.py", "scripts/test", "scripts/gpu-check", "benchmarks/RESULTS.md",
-                 "benchmarks/bench.py", "examples/demo.py", "tests/conftest.py", "tests/golden/descriptors_v2.json",
+                 "benchmarks/bench.py", "examples/demo.py", "tests/conftest.py", "tests/wire/golden/descriptors_v2.json",
                  "csrc/python/module.cpp", "csrc/README.md"]:
         assert path in names, path
     assert "torch_ipc/_build_info.py" not in names  # written by each build, for its own torch

@@ -15,7 +15,7 @@ from torch_ipc import _C
 from torch_ipc.testing import Peer
 
 import ipc_test_utils as u
-from test_descriptor import seal
+from wire.test_descriptor import seal
 
 SHM = "/dev/shm"
 MASK48 = (1 << 48) - 1

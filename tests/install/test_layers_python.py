@@ -25,7 +25,7 @@ import pathlib
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torch_ipc"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "torch_ipc"
 
 LAYERS = [
     ("base", ["_C", "errors", "_build_info", "_torch_check", "_cuda", "_process", "_batched_copy"]),

@@ -13,7 +13,7 @@ import torch
 
 import torch_ipc
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 120
 
 

@@ -9,7 +9,7 @@ import pytest
 from torch_ipc import _C
 from torch_ipc.testing import Peer, run_in_subprocess
 
-from test_fd_passing import _publish, _stats
+from sharing.test_fd_passing import _publish, _stats
 
 NOBODY = 65534
 

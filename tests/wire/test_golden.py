@@ -1,5 +1,5 @@
 """Descriptors across releases: golden descriptors of each format version
-(tests/golden/descriptors_v<N>.json, written by tests/golden/make_golden.py:
+(tests/wire/golden/descriptors_v<N>.json, written by tests/wire/golden/make_golden.py:
 CPU, CUDA legacy IPC, VMM, a batch, an empty tensor) decode to the layout
 they were made with, forever. torch_ipc's format does not depend on torch's,
 so a consumer built against another torch release (or a later torch_ipc)
@@ -79,7 +79,7 @@ def test_this_build_still_writes_the_newest_golden_format():
         data = torch_ipc.dumps(obj, consumers=None)  # nobody loads these: open-ended, reclaimed when obj dies
         assert golden.encode(golden.layout(data)) == data, (
             "the descriptor format changed: bump kVersion in csrc/wire/descriptor.h and add "
-            "tests/golden/descriptors_v<new>.json with tests/golden/make_golden.py (keep the old files)")
+            "tests/wire/golden/descriptors_v<new>.json with tests/wire/golden/make_golden.py (keep the old files)")
 
 
 @pytest.mark.parametrize("version", [1, 2, 4, 0xFFFF])

@@ -1,5 +1,5 @@
-"""Write tests/golden/descriptors_v<N>.json: descriptors of the current format
-version, each as hex with the layout it must decode to (tests/test_golden.py).
+"""Write tests/wire/golden/descriptors_v<N>.json: descriptors of the current format
+version, each as hex with the layout it must decode to (tests/wire/test_golden.py).
 
 Run it only when the format version changes, to ADD the new version's file;
 the files of earlier versions stay, and each build must decode them or refuse
@@ -8,7 +8,7 @@ real dumps(); the CUDA legacy and VMM ones, which need a GPU to export, are
 encoded here from a layout, by the same encoder that reproduces the real ones
 byte for byte (checked before anything is written).
 
-    PYTHONPATH=. python tests/golden/make_golden.py   # from the repository root, in-place build
+    PYTHONPATH=. python tests/wire/golden/make_golden.py   # from the repository root, in-place build
 """
 import json
 import os

@@ -16,7 +16,7 @@ import pytest
 import torch_ipc
 from torch_ipc import _C
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(torch_ipc.__file__)))
 TIMEOUT = 300
 

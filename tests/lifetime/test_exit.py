@@ -2,7 +2,7 @@
 main process returns still reaches the consumer, and nothing stays in
 /dev/shm (Note [exit order] in _runtime.py); an export after the shutdown is
 refused. CPU tensors, real processes. Messages whose reader died unread:
-test_channels.py.
+channel/test_tensors_through_channels.py.
 """
 import os
 import subprocess

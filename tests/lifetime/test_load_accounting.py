@@ -23,7 +23,7 @@ import torch
 
 import ipc_test_utils as u
 import torch_ipc
-from test_descriptor import layout, seal
+from wire.test_descriptor import layout, seal
 from torch_ipc.testing import Peer, PeerError
 
 RECLAIM_S = 5.0

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
+CSRC = pathlib.Path(__file__).resolve().parents[2] / "csrc"
 ORDER = ["base", "wire", "os", "cuda", "memory", "core", "features", "python"]
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
