@@ -173,8 +173,9 @@ class Side:
             local = LocalObjects(device)
             self.dumps, self.loads, self._ipc = local.dumps, local.loads, None
         elif name == "torch":
-            import torch.multiprocessing  # noqa: F401  (registers torch's reducers)
             from multiprocessing.reduction import ForkingPickler
+
+            import torch.multiprocessing  # noqa: F401  (registers torch's reducers)
 
             # This process never imports torch_ipc; should something else have done
             # so and installed its reducers, put torch's back before measuring.
@@ -288,6 +289,7 @@ def import_torch_ipc():
 def check_torch_reducers() -> None:
     """Fail unless ForkingPickler pickles tensors the way stock torch does."""
     from multiprocessing.reduction import ForkingPickler
+
     from torch.multiprocessing.reductions import reduce_tensor
 
     dumps = getattr(ForkingPickler.__dict__.get("dumps"), "__func__", None)

@@ -17,7 +17,6 @@ import statistics
 import time
 
 import torch
-
 from bench import import_torch_ipc
 
 torch_ipc = import_torch_ipc()  # the installed one, else this checkout's (built in place)
@@ -55,7 +54,7 @@ def load_steps(data, reps):
         if i >= 10:
             for name, ns in zip(steps, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, t4 - t3)):
                 steps[name].append(ns)
-    held = None
+    del held
     return {name: statistics.median(ns) for name, ns in steps.items()}
 
 
@@ -70,7 +69,7 @@ def dumps_steps(tensors, reps):
         t1 = time.perf_counter_ns()
         sent = _serialize.export(*parts)
         t2 = time.perf_counter_ns()
-        sent.data
+        _ = sent.data
         t3 = time.perf_counter_ns()
         sent.revoke()
         if i >= 10:
@@ -158,7 +157,7 @@ def consumer(conn):
             del obj
             load.append(t1 - t0)
             drop.append(t2 - t1)
-        held = None
+        del held
         conn.send((median_us(load), median_us(drop)))
 
 

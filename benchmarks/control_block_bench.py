@@ -27,7 +27,6 @@ import struct
 import sys
 import time
 
-
 import torch
 
 try:  # the installed torch_ipc, else the one of this checkout (built in place)

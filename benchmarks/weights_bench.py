@@ -212,7 +212,7 @@ def main():
 
     def cycle(key):
         times = []
-        for i in range(iters + 2):
+        for _ in range(iters + 2):
             sync(device)
             t0 = time.perf_counter()
             p = publishers[key]

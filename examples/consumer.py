@@ -1,5 +1,6 @@
 # consumer.py: run while producer.py waits
 import torch
+
 import torch_ipc
 
 with torch_ipc.connect("/tmp/torch_ipc_demo.sock", authkey=b"secret") as conn:

@@ -160,7 +160,8 @@ def decode_main(data, conn, results, device, n_prompts, new_tokens):
             handover = pool.recv(conn)  # now ours; our stream waits for the prefill's writes
             meta = handover.meta
             cache = PagedCache(pool, handover.ids)
-            tokens, logits = generate(lm, cache, torch.tensor(meta["logits"], device=device), meta["length"], new_tokens)
+            logits = torch.tensor(meta["logits"], device=device)
+            tokens, logits = generate(lm, cache, logits, meta["length"], new_tokens)
             out[meta["prompt"]] = (tokens, logits.cpu())
             pool.free(cache.blocks)
         conn.send("done")

@@ -54,5 +54,6 @@ def main():
 if __name__ == "__main__":
     try:
         main()
-    except (OSError, EOFError, RuntimeError, ValueError, AuthenticationError) as e:  # a one-line reason, not a traceback
+    except (OSError, EOFError, RuntimeError, ValueError, AuthenticationError) as e:
+        # a one-line reason, not a traceback
         sys.exit(f"FAILED: {e}")

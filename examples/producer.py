@@ -1,5 +1,6 @@
 # producer.py: share a tensor with the next process that connects (run consumer.py next)
 import torch
+
 import torch_ipc
 
 x = torch.zeros(4, device="cuda" if torch.cuda.is_available() else "cpu")

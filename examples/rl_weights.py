@@ -102,7 +102,7 @@ def trainer(attach, check, args):
     pub = Publisher(model)
     pub.attach(attach)  # the only message with handles; publishes send nothing
     prompt = prompt_for(cfg, device)
-    for step in range(args.steps):
+    for _ in range(args.steps):
         model.train()
         tokens = torch.randint(0, cfg["vocab"], (8, cfg["context"] + 1), device=device)
         logits = model(tokens[:, :-1])

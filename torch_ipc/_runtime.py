@@ -111,7 +111,7 @@ def _loop(interval: float) -> None:
             try:
                 step()
             except Exception as e:  # never let the thread die silently
-                warnings.warn(f"torch_ipc collector: {e!r}", RuntimeWarning)
+                warnings.warn(f"torch_ipc collector: {e!r}", RuntimeWarning, stacklevel=1)
 
 
 def ensure_started() -> None:
@@ -168,7 +168,7 @@ def _at_exit() -> None:
         _C.collect(False)
         s = _C.stats()
         if s["held_cuda_ipc_bytes"] > 0:
-            warnings.warn(exit_warning(s), RuntimeWarning)
+            warnings.warn(exit_warning(s), RuntimeWarning, stacklevel=1)
         _C.shutdown()
     except Exception:
         pass

@@ -69,7 +69,8 @@ def check_versions() -> List[Row]:
         from ._build_info import TORCH_VERSION as built_with
     except ImportError:
         built_with = "unrecorded"
-    rows = [Row("torch and torch_ipc", OK, f"torch {torch.__version__}, CUDA build {cuda}, python {sys.version.split()[0]}, "
+    python = sys.version.split()[0]
+    rows = [Row("torch and torch_ipc", OK, f"torch {torch.__version__}, CUDA build {cuda}, python {python}, "
                 f"torch_ipc extension {_C.__file__} (built against torch {built_with})")]  # fmt: skip
     driver_ok, why = _C.cuda_available()
     gpus = _has_nvidia_gpu()
@@ -182,7 +183,8 @@ def check_cuda() -> List[Row]:
         missing = [f"{i}->{j}" for i, a in enumerate(attrs) for j, ok in enumerate(a["peers"]) if not ok]
         matrix = " ".join("".join("x" if ok else "." for ok in a["peers"]) for a in attrs)
         if missing:
-            rows.append(Row("P2P matrix", WARN, f"rows by device, x: peer access ({matrix}); none for {', '.join(missing)}",
+            detail = f"rows by device, x: peer access ({matrix}); none for {', '.join(missing)}"
+            rows.append(Row("P2P matrix", WARN, detail,
                             "a consumer on another GPU than the memory reads it through the host: keep "
                             "producer and consumer on one GPU, or use GPUs with NVLink/P2P"))  # fmt: skip
         else:
@@ -215,7 +217,8 @@ def check_dev_shm() -> List[Row]:
     fix = ("CPU tensors live in /dev/shm: give it room (docker run --shm-size=16g, or "
            "mount -o remount,size=16g /dev/shm)")  # fmt: skip
     if free < 1 << 30:
-        return [Row("/dev/shm", FAIL, detail + " (less than 1 GiB: CPU tensors larger than that cannot be shared)", fix)]
+        detail += " (less than 1 GiB: CPU tensors larger than that cannot be shared)"
+        return [Row("/dev/shm", FAIL, detail, fix)]
     problem = _round_trip("cpu")
     if problem is not None:
         return [Row("/dev/shm", FAIL, f"{detail}; sharing a CPU tensor failed: {problem}", fix)]

@@ -83,7 +83,10 @@ class SharedPool:
         return _C.vmm_granularity(index, _HANDLE_TYPES[self.handle_type])
 
     def empty(
-        self, shape: Union[int, Sequence[int], torch.Size], dtype: torch.dtype = torch.float32, device: DeviceLike = None
+        self,
+        shape: Union[int, Sequence[int], torch.Size],
+        dtype: torch.dtype = torch.float32,
+        device: DeviceLike = None,
     ) -> torch.Tensor:
         """An uninitialised contiguous tensor alone in its own shareable allocation."""
         if self._closed:

@@ -5,10 +5,9 @@
 
 namespace torch_ipc {
 
-OsError os_error(int err, const std::string& call, const std::string& subject,
-                 const std::string& hint) {
-  return OsError(err, "torch_ipc: " + call + (subject.empty() ? "" : " " + subject) +
-                          " failed: " + std::strerror(err) + (hint.empty() ? "" : " " + hint));
+OsError os_error(int err, const std::string& call, const std::string& subject, const std::string& hint) {
+  return OsError(err, "torch_ipc: " + call + (subject.empty() ? "" : " " + subject) + " failed: " + std::strerror(err) +
+                          (hint.empty() ? "" : " " + hint));
 }
 
 void throw_os_error(const std::string& call, const std::string& subject) {

@@ -76,15 +76,13 @@ struct PoolCorrupted : std::runtime_error {
 // `errno` set, so the builtin subclass that fits (PermissionError,
 // FileNotFoundError, ...) is what the caller catches.
 struct OsError : std::runtime_error {
-  OsError(int error_number, const std::string& what)
-      : std::runtime_error(what), error_number(error_number) {}
+  OsError(int error_number, const std::string& what) : std::runtime_error(what), error_number(error_number) {}
   int error_number;
 };
 
 // "torch_ipc: <call> <subject> failed: <strerror(err)>[ <hint>]" as an OsError of
 // err: for callers that captured errno before cleaning up (close, unlink).
-OsError os_error(int err, const std::string& call, const std::string& subject = "",
-                 const std::string& hint = "");
+OsError os_error(int err, const std::string& call, const std::string& subject = "", const std::string& hint = "");
 
 // os_error(errno, call, subject): call it right after the failing call.
 [[noreturn]] void throw_os_error(const std::string& call, const std::string& subject = "");
@@ -109,8 +107,8 @@ struct InvalidUse : std::runtime_error {
 // TORCH_CHECK, TORCH_CHECK_VALUE, TORCH_CHECK_INDEX without a c10::Error
 // (Note [no c10 errors]), their messages built by torch_ipc::str (Note
 // [messages without iostreams]).
-#define TORCH_IPC_CHECK_AS(type, cond, ...) \
-  do {                                      \
+#define TORCH_IPC_CHECK_AS(type, cond, ...)                 \
+  do {                                                      \
     if (!(cond)) throw type(::torch_ipc::str(__VA_ARGS__)); \
   } while (0)
 #define TORCH_IPC_CHECK(cond, ...) TORCH_IPC_CHECK_AS(::torch_ipc::InvalidUse, cond, __VA_ARGS__)

@@ -1,10 +1,9 @@
 // The pthread_atfork child handler and the resets registered with it.
 #include "base/fork.h"
 
-#include <pthread.h>
-
 #include <cstdlib>
 #include <mutex>
+#include <pthread.h>
 
 namespace torch_ipc {
 namespace {

@@ -1,7 +1,4 @@
 #include "core/export.h"
-#include "base/errors.h"
-
-#include <c10/core/StorageImpl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -9,13 +6,20 @@
 #include <tuple>
 #include <unordered_map>
 
-#include "cuda/cuda_context.h"
-#include "cuda/events.h"
-#include "memory/locate.h"
+#include <c10/core/StorageImpl.h>
+
+#include "base/errors.h"
+
 #include "os/process.h"
 #include "os/refcount.h"
-#include "core/registry.h"
+
+#include "cuda/cuda_context.h"
+#include "cuda/events.h"
+
+#include "memory/locate.h"
 #include "memory/vmm.h"
+
+#include "core/registry.h"
 
 namespace torch_ipc {
 namespace {
@@ -30,8 +34,7 @@ namespace {
 // (lease_remove_deliveries). The owner's token revocation never touches them.
 
 int64_t steady_now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
 
@@ -56,31 +59,27 @@ int64_t steady_now_ns() {
 
 // Leases of several owners: the owner's identity is part of the key.
 using LeaseKey = std::tuple<uint32_t, uint64_t, uint32_t, uint32_t, uint64_t>;
-LeaseKey key_of(const LeaseRecord& l) {
-  return {l.owner.pid, l.owner.start_time, l.segment, l.slot, l.generation};
-}
+LeaseKey key_of(const LeaseRecord& l) { return {l.owner.pid, l.owner.start_time, l.segment, l.slot, l.generation}; }
 
 // What shared_natively() does not cover is refused here with its reason.
 void check_shareable(const at::Tensor& t) {
   TORCH_IPC_CHECK(t.defined(), "torch_ipc: cannot share an undefined tensor");
   // torch's own refusal, word for word (torch/multiprocessing/reductions.py).
   TORCH_IPC_CHECK(!t.requires_grad() || t.is_leaf(),
-              "Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd "
-              "does not support crossing process boundaries.  If you just want to transfer the "
-              "data, call detach() on the tensor before serializing (e.g., putting it on the queue).");
+                  "Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd "
+                  "does not support crossing process boundaries.  If you just want to transfer the "
+                  "data, call detach() on the tensor before serializing (e.g., putting it on the queue).");
   TORCH_IPC_CHECK(shared_natively(t), "torch_ipc exports strided tensors that have memory, not ",
-              t.is_meta() ? "a meta tensor" : "a sparse (or other non-strided) tensor",
-              "; torch_ipc.dumps sends those as torch.multiprocessing does");
+                  t.is_meta() ? "a meta tensor" : "a sparse (or other non-strided) tensor",
+                  "; torch_ipc.dumps sends those as torch.multiprocessing does");
   TORCH_IPC_CHECK(!t.is_quantized(), "torch_ipc cannot share quantized tensors");
   TORCH_IPC_CHECK(!t.is_neg() && !t.is_conj(),
-              "torch_ipc: resolve lazy conjugation/negation first (tensor.resolve_conj())");
+                  "torch_ipc: resolve lazy conjugation/negation first (tensor.resolve_conj())");
   const c10::DeviceType type = t.storage().device_type();
   TORCH_IPC_CHECK(type == c10::DeviceType::CUDA || type == c10::DeviceType::CPU,
-              "torch_ipc shares CUDA and CPU tensors, not ", t.storage().device());
-  TORCH_IPC_CHECK(t.dim() <= kMaxDims, "torch_ipc shares tensors of at most ", kMaxDims, " dimensions, not ",
-                  t.dim());
-  for (int64_t s : t.strides())
-    TORCH_IPC_CHECK(s >= 0, "torch_ipc: tensors with negative strides cannot be shared");
+                  "torch_ipc shares CUDA and CPU tensors, not ", t.storage().device());
+  TORCH_IPC_CHECK(t.dim() <= kMaxDims, "torch_ipc shares tensors of at most ", kMaxDims, " dimensions, not ", t.dim());
+  for (int64_t s : t.strides()) TORCH_IPC_CHECK(s >= 0, "torch_ipc: tensors with negative strides cannot be shared");
 }
 
 // Step 1: the distinct storages of a message, in first-seen order, and the
@@ -124,8 +123,8 @@ MessageStorages collect_storages(const TensorRefs& tensors) {
     m.dims += t.dim();
     const c10::Storage& storage = t.storage();
     bool inserted;
-    m.of_tensor.push_back(index.find_or_add(storage.unsafeGetStorageImpl(),
-                                            static_cast<uint32_t>(m.storages.size()), inserted));
+    m.of_tensor.push_back(
+        index.find_or_add(storage.unsafeGetStorageImpl(), static_cast<uint32_t>(m.storages.size()), inserted));
     if (inserted) m.storages.push_back(storage);
   }
   return m;
@@ -261,8 +260,8 @@ void record_events(Descriptor& d, const std::map<int, uint16_t>& devices) {
 // then the owners' of forwarded tensors; encode; register our export.
 // Nothing here may fail without giving back what was taken.
 std::shared_ptr<Export> attach_leases_and_encode(Descriptor& d, TableBuilder& tables,
-                                                 std::unique_ptr<ExportRecord> record,
-                                                 uint32_t consumers, bool while_referenced) {
+                                                 std::unique_ptr<ExportRecord> record, uint32_t consumers,
+                                                 bool while_referenced) {
   const bool open_ended = consumers == 0;
   if (open_ended) d.flags |= kOpenEnded;
   record->open_ended = open_ended || while_referenced;
@@ -306,12 +305,9 @@ std::shared_ptr<Export> attach_leases_and_encode(Descriptor& d, TableBuilder& ta
 // _C.shared_natively) before it takes a fast path or hands a tensor to
 // export_tensors, and check_shareable refuses what it rejects, so a refusal
 // here is an error, never a signal to retry another way.
-bool shared_natively(const at::Tensor& t) {
-  return t.defined() && t.layout() == c10::kStrided && !t.is_meta();
-}
+bool shared_natively(const at::Tensor& t) { return t.defined() && t.layout() == c10::kStrided && !t.is_meta(); }
 
-Export::Export(std::string data, std::optional<LeaseRecord> own, std::vector<LeaseRecord> forwarded,
-               uint32_t consumers)
+Export::Export(std::string data, std::optional<LeaseRecord> own, std::vector<LeaseRecord> forwarded, uint32_t consumers)
     : data_(std::move(data)), own_(own), forwarded_(std::move(forwarded)), consumers_(consumers) {}
 
 bool Export::live() const {
@@ -334,12 +330,10 @@ void Export::forbid_loads() {
   revoke();
 }
 
-std::shared_ptr<Export> export_tensors(const TensorRefs& tensors,
-                                       const std::vector<bool>& is_parameter,
-                                       const std::string& payload, uint32_t consumers,
-                                       bool while_referenced) {
+std::shared_ptr<Export> export_tensors(const TensorRefs& tensors, const std::vector<bool>& is_parameter,
+                                       const std::string& payload, uint32_t consumers, bool while_referenced) {
   TORCH_IPC_CHECK(is_parameter.empty() || is_parameter.size() == tensors.size(),
-              "torch_ipc: is_parameter must have one entry per tensor");
+                  "torch_ipc: is_parameter must have one entry per tensor");
   MessageStorages message = collect_storages(tensors);
   std::vector<Source> sources = find_sources(message.storages);
 
@@ -388,8 +382,8 @@ ExportStats export_stats() {
     s.holders += c.holders;
     s.dead_holders += c.dead_holders;
     // The oldest exports, kept as a heap whose top is the youngest of them.
-    PinnedExport p{static_cast<double>(now - r.exported_at_ns) * 1e-9, static_cast<int64_t>(r.bytes),
-                   c.tokens, c.holders, c.dead_holders};
+    PinnedExport p{static_cast<double>(now - r.exported_at_ns) * 1e-9, static_cast<int64_t>(r.bytes), c.tokens,
+                   c.holders, c.dead_holders};
     if (s.oldest.size() < kOldestExportsShown) {
       s.oldest.push_back(p);
       std::push_heap(s.oldest.begin(), s.oldest.end(), younger);

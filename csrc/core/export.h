@@ -4,7 +4,6 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -13,6 +12,7 @@
 #include <vector>
 
 #include "wire/descriptor.h"
+
 #include "os/process.h"
 
 namespace torch_ipc {
@@ -20,8 +20,7 @@ namespace torch_ipc {
 // Hidden, like the pybind11 types that bind it (csrc/python/).
 class __attribute__((visibility("hidden"))) Export {
  public:
-  Export(std::string data, std::optional<LeaseRecord> own, std::vector<LeaseRecord> forwarded,
-         uint32_t consumers);
+  Export(std::string data, std::optional<LeaseRecord> own, std::vector<LeaseRecord> forwarded, uint32_t consumers);
   Export(const Export&) = delete;
   Export& operator=(const Export&) = delete;
 
@@ -63,10 +62,8 @@ using TensorRefs = std::vector<std::reference_wrapper<const at::Tensor>>;
 // `is_parameter[i]`: rebuild tensor i as an nn.Parameter (Python knows, C++ does not).
 // `consumers`: loads to wait for; 0 for an open-ended export (Note [open-ended exports]).
 // `while_referenced`: also keep it while this process references the storages.
-std::shared_ptr<Export> export_tensors(const TensorRefs& tensors,
-                                       const std::vector<bool>& is_parameter,
-                                       const std::string& payload, uint32_t consumers,
-                                       bool while_referenced = false);
+std::shared_ptr<Export> export_tensors(const TensorRefs& tensors, const std::vector<bool>& is_parameter,
+                                       const std::string& payload, uint32_t consumers, bool while_referenced = false);
 
 // Reclaim exports whose tokens are spent and whose holders released or died,
 // and drop the VMM exports and cached locations of storages that died.

@@ -1,32 +1,35 @@
 #include "core/import.h"
 
-#include <functional>
-
-#include <c10/core/ScalarType.h>
-#include <c10/core/StorageImpl.h>
-#include <c10/core/TensorImpl.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
-#include <tuple>
 #include <mutex>
+#include <tuple>
 #include <unordered_map>
 
-#include "cuda/cuda_context.h"
-#include "cuda/cuda_driver.h"
+#include <c10/core/ScalarType.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/core/TensorImpl.h>
+
 #include "base/errors.h"
-#include "cuda/events.h"
 #include "base/fork.h"
-#include "memory/host_memory.h"
+
 #include "os/names.h"
 #include "os/process.h"
 #include "os/refcount.h"
-#include "core/registry.h"
+
+#include "cuda/cuda_context.h"
+#include "cuda/cuda_driver.h"
+#include "cuda/events.h"
+
+#include "memory/host_memory.h"
 #include "memory/vmm.h"
+
+#include "core/registry.h"
 
 namespace torch_ipc {
 
@@ -46,8 +49,7 @@ struct Mapping {
 namespace {
 
 int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
 
@@ -151,8 +153,7 @@ bool release_ready(const PendingRelease& p) {
     CUresult r = driver().cuEventQuery(e);
     if (r == CUDA_ERROR_NOT_READY) return false;
     if (r != CUDA_SUCCESS)
-      TORCH_WARN("torch_ipc: releasing a hold although ",
-                 driver_error_message("cuEventQuery", r), " for its GPU work");
+      TORCH_WARN("torch_ipc: releasing a hold although ", driver_error_message("cuEventQuery", r), " for its GPU work");
   }
   return true;
 }
@@ -210,9 +211,8 @@ void open_legacy(Mapping& m, const ProcessId& owner) {
   void* value = &range;
   TORCH_IPC_CU(cuPointerGetAttributes, 1, &attr, &value, ptr);
   if (range < m.where.size)
-    throw DescriptorError("malformed torch_ipc descriptor: the allocation is " +
-                          std::to_string(range) + " bytes, the descriptor says " +
-                          std::to_string(m.where.size));
+    throw DescriptorError("malformed torch_ipc descriptor: the allocation is " + std::to_string(range) +
+                          " bytes, the descriptor says " + std::to_string(m.where.size));
 }
 
 std::shared_ptr<Mapping> open_mapping(const Allocation& where, const ProcessId& owner) {
@@ -240,8 +240,7 @@ std::shared_ptr<Mapping> open_mapping(const Allocation& where, const ProcessId& 
 std::shared_ptr<Mapping> get_mapping(Consumer& c, const Allocation& where, const ProcessId& owner) {
   MappingKey key{static_cast<uint8_t>(where.kind), where.handle};
   auto it = c.mappings.find(key);
-  if (it != c.mappings.end() && it->second->where.size >= where.size &&
-      it->second->where.device == where.device) {
+  if (it != c.mappings.end() && it->second->where.size >= where.size && it->second->where.device == where.device) {
     it->second->idle_since_ns = 0;
     return it->second;
   }
@@ -338,8 +337,7 @@ std::vector<std::shared_ptr<Hold>> take_holds(Consumer& c, const Descriptor& d, 
 // Step 3: order. Torch's current stream waits for the producer's writes.
 void wait_for_producer(const Descriptor& d, const std::vector<int>& local) {
   for (const EventRecord& e : d.events)
-    wait_export_event(e.handle, local[e.device], d.producer,
-                      [](const ProcessId& p) { return process_alive(p); });
+    wait_export_event(e.handle, local[e.device], d.producer, [](const ProcessId& p) { return process_alive(p); });
 }
 
 Allocation allocation_of(const AllocRecord& a, const std::vector<int>& local) {
@@ -347,8 +345,7 @@ Allocation allocation_of(const AllocRecord& a, const std::vector<int>& local) {
 }
 
 // Step 4: map every allocation that is not ours, once per process.
-std::vector<std::shared_ptr<Mapping>> map_allocations(Consumer& c, const Descriptor& d,
-                                                      const std::vector<int>& local,
+std::vector<std::shared_ptr<Mapping>> map_allocations(Consumer& c, const Descriptor& d, const std::vector<int>& local,
                                                       const std::vector<std::shared_ptr<Hold>>& holds) {
   std::vector<std::shared_ptr<Mapping>> mapped(d.allocs.size());
   std::lock_guard<std::recursive_mutex> lock(c.mu);  // once per load, not per allocation
@@ -378,14 +375,13 @@ std::vector<c10::Storage> build_storages(const Descriptor& d, const std::vector<
   for (const StorageRecord& s : d.storages) {
     const c10::Device device = device_of(d, s, local);
     if (s.alloc == kNoAlloc) {
-      storages.emplace_back(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, device), nullptr,
-                            false);
+      storages.emplace_back(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, device), nullptr, false);
       continue;
     }
     const AllocRecord& a = d.allocs[s.alloc];
     if (!holds[a.lease]) {
-      auto own = find_exported_storage(d.leases[a.lease], Location{allocation_of(a, local), s.offset},
-                                       s.nbytes, own_next);
+      auto own =
+          find_exported_storage(d.leases[a.lease], Location{allocation_of(a, local), s.offset}, s.nbytes, own_next);
       if (!own) throw Released("torch_ipc: this export was already released by this process");
       storages.push_back(*own);
       continue;
@@ -407,8 +403,7 @@ void build_tensors(const Descriptor& d, const std::vector<c10::Storage>& storage
     const c10::Storage& storage = storages[t.storage];
     c10::DispatchKeySet keys(storage.device_type() == c10::DeviceType::CUDA ? c10::DispatchKey::CUDA
                                                                             : c10::DispatchKey::CPU);
-    auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(storage), keys,
-                                                     c10::scalarTypeToTypeMeta(dtype));
+    auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(storage), keys, c10::scalarTypeToTypeMeta(dtype));
     try {
       const auto sizes = tensor_sizes(d, t), strides = tensor_strides(d, t);
       impl->set_sizes_and_strides(c10::IntArrayRef(sizes.data(), sizes.size()),
@@ -466,8 +461,7 @@ Hold::~Hold() {
     for (const auto& m : p.mappings) {
       const int device = m->where.device;
       if (m->where.kind == AllocKind::CpuShm) continue;
-      if (std::any_of(p.done.begin(), p.done.end(), [&](auto& de) { return de.first == device; }))
-        continue;
+      if (std::any_of(p.done.begin(), p.done.end(), [&](auto& de) { return de.first == device; })) continue;
       ScopedContext scope(device);
       CUstream stream = current_stream(device);
       if (stream_idle(stream)) continue;  // nothing queued can still read it: release now
@@ -476,8 +470,7 @@ Hold::~Hold() {
       TORCH_IPC_CU(cuEventRecord, e, stream);
     }
   } catch (const std::exception& e) {
-    TORCH_WARN("torch_ipc: could not order a release after GPU work (", e.what(),
-               "); releasing now");
+    TORCH_WARN("torch_ipc: could not order a release after GPU work (", e.what(), "); releasing now");
     for (auto& de : p.done) c.spare_events.push_back(de);
     p.done.clear();
   }

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-
 #include <atomic>
 #include <cstdint>
 #include <functional>

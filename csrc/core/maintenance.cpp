@@ -5,16 +5,19 @@
 
 #include "base/errors.h"
 #include "base/fork.h"
-#include "core/export.h"
-#include "core/import.h"
-#include "core/registry.h"
-#include "memory/host_memory.h"
-#include "memory/shared_pool.h"
+
 #include "os/fd_passing.h"
 #include "os/life.h"
 #include "os/process.h"
 #include "os/refcount.h"
 #include "os/sweep.h"
+
+#include "memory/host_memory.h"
+#include "memory/shared_pool.h"
+
+#include "core/export.h"
+#include "core/import.h"
+#include "core/registry.h"
 
 namespace torch_ipc {
 namespace {

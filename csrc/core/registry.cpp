@@ -1,11 +1,11 @@
 #include "core/registry.h"
 
-#include "base/fork.h"
-
 #include <map>
 #include <mutex>
 #include <tuple>
 #include <unordered_map>
+
+#include "base/fork.h"
 
 namespace torch_ipc {
 namespace {
@@ -34,8 +34,8 @@ Exports& exports() { return *process_state<Exports>(); }
 
 }  // namespace
 
-c10::DataPtr imported_data_ptr(void* data, std::shared_ptr<Hold> hold, const Allocation* alloc,
-                               uint64_t offset, c10::Device device) {
+c10::DataPtr imported_data_ptr(void* data, std::shared_ptr<Hold> hold, const Allocation* alloc, uint64_t offset,
+                               c10::Device device) {
   auto* ctx = new ImportedStorage{std::move(hold), alloc, offset};
   return c10::DataPtr(data, ctx, &delete_imported_storage, device);
 }
@@ -69,8 +69,8 @@ void end_open_ended(const LeaseRecord& lease) {
   if (it != e.records.end()) it->second->open_ended = false;
 }
 
-std::optional<c10::Storage> find_exported_storage(const LeaseRecord& lease, const Location& where,
-                                                  uint64_t nbytes, size_t& next) {
+std::optional<c10::Storage> find_exported_storage(const LeaseRecord& lease, const Location& where, uint64_t nbytes,
+                                                  size_t& next) {
   Exports& e = exports();
   std::lock_guard<std::mutex> lock(e.mu);
   auto it = e.records.find(key_of(lease));
@@ -78,8 +78,8 @@ std::optional<c10::Storage> find_exported_storage(const LeaseRecord& lease, cons
   const ExportRecord& r = *it->second;
   auto matches = [&](size_t i) {
     const Location& loc = r.locations[i];
-    return loc.alloc.kind == where.alloc.kind && loc.alloc.handle == where.alloc.handle &&
-           loc.offset == where.offset && r.storages[i].nbytes() == nbytes;
+    return loc.alloc.kind == where.alloc.kind && loc.alloc.handle == where.alloc.handle && loc.offset == where.offset &&
+           r.storages[i].nbytes() == nbytes;
   };
   for (size_t k = 0; k < r.storages.size(); ++k) {
     const size_t i = (next + k) % r.storages.size();
@@ -108,8 +108,7 @@ std::unordered_map<const c10::StorageImpl*, size_t> references_of_records(const 
   return refs;
 }
 
-bool held_outside(const ExportRecord& r,
-                  const std::unordered_map<const c10::StorageImpl*, size_t>& refs_of_records) {
+bool held_outside(const ExportRecord& r, const std::unordered_map<const c10::StorageImpl*, size_t>& refs_of_records) {
   for (const c10::Storage& s : r.storages)
     if (s.use_count() > refs_of_records.at(s.unsafeGetStorageImpl())) return true;
   return false;

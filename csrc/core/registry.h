@@ -3,17 +3,19 @@
 // imported (the allocation they map and the lease they hold at the owner).
 #pragma once
 
-#include <c10/core/Storage.h>
-
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
 
-#include "memory/location.h"
+#include <c10/core/Storage.h>
+
 #include "wire/descriptor.h"
+
 #include "os/process.h"
+
+#include "memory/location.h"
 
 namespace torch_ipc {
 
@@ -35,8 +37,8 @@ struct Hold {
 // Build the DataPtr of an imported storage at `data`, `offset` bytes into the
 // allocation `alloc` of a mapping that `hold` keeps (in hold->mappings: the
 // storage refers to it, copying nothing), and find what such a storage came from.
-c10::DataPtr imported_data_ptr(void* data, std::shared_ptr<Hold> hold, const Allocation* alloc,
-                               uint64_t offset, c10::Device device);
+c10::DataPtr imported_data_ptr(void* data, std::shared_ptr<Hold> hold, const Allocation* alloc, uint64_t offset,
+                               c10::Device device);
 struct ImportedOrigin {
   Location where;
   LeaseRecord lease;  // held at the owner
@@ -64,8 +66,8 @@ void end_open_ended(const LeaseRecord& lease);
 // at `where` with `nbytes` bytes. `next`: where to look first, the index after
 // the storage found last (a message lists its storages in the export's
 // order, so a load of n storages looks n times, not n * n / 2); updated.
-std::optional<c10::Storage> find_exported_storage(const LeaseRecord& lease, const Location& where,
-                                                  uint64_t nbytes, size_t& next);
+std::optional<c10::Storage> find_exported_storage(const LeaseRecord& lease, const Location& where, uint64_t nbytes,
+                                                  size_t& next);
 // Drop the records `reclaim` returns true for (outside the lock, so storages
 // die without it). Open-ended records whose storages something outside the
 // registry still references are kept without asking. Returns how many were

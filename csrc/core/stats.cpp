@@ -1,12 +1,14 @@
 // The counters of torch_ipc.stats(), gathered from each layer.
 #include "core/stats.h"
 
-#include "core/import.h"
-#include "memory/host_memory.h"
-#include "memory/vmm.h"
 #include "os/fd_passing.h"
 #include "os/refcount.h"
 #include "os/sweep.h"
+
+#include "memory/host_memory.h"
+#include "memory/vmm.h"
+
+#include "core/import.h"
 
 namespace torch_ipc {
 
@@ -61,10 +63,8 @@ std::vector<StatField> process_stats(bool with_values) {
 
 const std::vector<PinnedField>& pinned_export_fields() {
   static const std::vector<PinnedField> fields = {
-      {"age_s", "seconds since the export"},
-      {"bytes", "its bytes"},
-      {"tokens_pending", "loads still expected"},
-      {"holders", "processes holding it"},
+      {"age_s", "seconds since the export"},      {"bytes", "its bytes"},
+      {"tokens_pending", "loads still expected"}, {"holders", "processes holding it"},
       {"dead_holders", "of them, dead ones"},
   };
   return fields;

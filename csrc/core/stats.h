@@ -13,7 +13,7 @@ namespace torch_ipc {
 struct StatField {
   const char* name;
   int64_t value;
-  const char* doc;  // one line for stats()'s docstring
+  const char* doc;    // one line for stats()'s docstring
   bool flag = false;  // a yes/no: stats() shows it as a bool
 };
 

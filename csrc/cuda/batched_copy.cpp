@@ -1,15 +1,16 @@
 #include "cuda/batched_copy.h"
 
-#include <c10/util/Exception.h>
-
 #include <algorithm>
 #include <map>
 #include <mutex>
 
+#include <c10/util/Exception.h>
+
+#include "base/errors.h"
+
 #include "cuda/batched_copy_ptx.h"
 #include "cuda/cuda_context.h"
 #include "cuda/cuda_driver.h"
-#include "base/errors.h"
 
 namespace torch_ipc {
 namespace {
@@ -77,10 +78,10 @@ namespace {
 
 // The address of block `id`; spans are sorted by first id and adjacent.
 int64_t block_address(const std::vector<BlockSpan>& spans, int64_t id, int64_t block_bytes) {
-  auto after = std::upper_bound(spans.begin(), spans.end(), id,
-                                [](int64_t v, const BlockSpan& s) { return v < s.first; });
-  TORCH_IPC_CHECK_INDEX(after != spans.begin() && id - (after - 1)->first < (after - 1)->count,
-                        "torch_ipc: block id ", id, " is out of range of the KV pool's mapped blocks");
+  auto after =
+      std::upper_bound(spans.begin(), spans.end(), id, [](int64_t v, const BlockSpan& s) { return v < s.first; });
+  TORCH_IPC_CHECK_INDEX(after != spans.begin() && id - (after - 1)->first < (after - 1)->count, "torch_ipc: block id ",
+                        id, " is out of range of the KV pool's mapped blocks");
   return (after - 1)->base + (id - (after - 1)->first) * block_bytes;
 }
 
@@ -117,9 +118,9 @@ bool batched_copy_available(int device, std::string* why_not) {
 }
 
 void launch_batched(const at::Tensor& items, BatchedKernel kernel) {
-  TORCH_IPC_CHECK_VALUE(items.defined() && items.is_cuda() && items.scalar_type() == at::kLong &&
-                        items.dim() == 2 && items.size(1) == 4 && items.is_contiguous(),
-                    "torch_ipc: batched copy items must be a contiguous int64 CUDA tensor of shape [n, 4]");
+  TORCH_IPC_CHECK_VALUE(items.defined() && items.is_cuda() && items.scalar_type() == at::kLong && items.dim() == 2 &&
+                            items.size(1) == 4 && items.is_contiguous(),
+                        "torch_ipc: batched copy items must be a contiguous int64 CUDA tensor of shape [n, 4]");
   const int k = static_cast<int>(kernel);
   TORCH_IPC_CHECK_VALUE(k == 0 || k == 1, "torch_ipc: unknown batched kernel ", k);
   const int64_t n = items.size(0);

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <string>

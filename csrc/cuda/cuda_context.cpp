@@ -1,16 +1,17 @@
 #include "cuda/cuda_context.h"
 
-#include <c10/core/Device.h>
-#include <c10/core/Stream.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
-
 #include <cstdio>
 #include <memory>
 #include <mutex>
 #include <vector>
 
-#include "cuda/cuda_driver.h"
+#include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
 #include "base/errors.h"
+
+#include "cuda/cuda_driver.h"
 
 namespace torch_ipc {
 namespace {
@@ -41,10 +42,8 @@ DeviceTable& table() {
 
 std::string format_uuid(const Uuid& u) {
   char text[48];
-  std::snprintf(text, sizeof(text),
-                "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
-                u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
-                u[14], u[15]);
+  std::snprintf(text, sizeof(text), "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
+                u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
   return text;
 }
 
@@ -52,8 +51,7 @@ std::mutex context_mutex;
 
 CUcontext primary_context(int device) {
   DeviceTable& t = table();
-  TORCH_IPC_CHECK(device >= 0 && device < static_cast<int>(t.contexts.size()),
-              "torch_ipc: no CUDA device ", device);
+  TORCH_IPC_CHECK(device >= 0 && device < static_cast<int>(t.contexts.size()), "torch_ipc: no CUDA device ", device);
   std::lock_guard<std::mutex> lock(context_mutex);
   if (t.contexts[device] == nullptr) {
     CUdevice dev;
@@ -69,8 +67,7 @@ CUcontext primary_context(int device) {
 
 const Uuid& device_uuid(int index) {
   DeviceTable& t = table();
-  TORCH_IPC_CHECK(index >= 0 && index < static_cast<int>(t.uuids.size()), "torch_ipc: no CUDA device ",
-              index);
+  TORCH_IPC_CHECK(index >= 0 && index < static_cast<int>(t.uuids.size()), "torch_ipc: no CUDA device ", index);
   return t.uuids[index];
 }
 
@@ -80,7 +77,8 @@ int device_for_uuid(const Uuid& uuid) {
     if (t.uuids[i] == uuid) return static_cast<int>(i);
   throw DeviceNotFound("torch_ipc: the tensor lives on " + format_uuid(uuid) +
                        ", which this process cannot see (check CUDA_VISIBLE_DEVICES; this "
-                       "process sees " + std::to_string(t.uuids.size()) + " GPU(s))");
+                       "process sees " +
+                       std::to_string(t.uuids.size()) + " GPU(s))");
 }
 
 ScopedContext::ScopedContext(int device) {

@@ -1,8 +1,7 @@
 #include "cuda/cuda_driver.h"
 
-#include <dlfcn.h>
-
 #include <atomic>
+#include <dlfcn.h>
 #include <mutex>
 
 #include <c10/util/Exception.h>
@@ -15,8 +14,7 @@ namespace {
 
 constexpr int kDriverAbi = 12000;  // entry points as of CUDA 12.0
 
-using GetProcAddress = CUresult (*)(const char*, void**, int, cuuint64_t,
-                                    CUdriverProcAddressQueryResult*);
+using GetProcAddress = CUresult (*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
 
 struct Loaded {
   DriverApi api;
@@ -28,8 +26,7 @@ Loaded load() {
   void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
     const char* why = dlerror();
-    out.error = std::string("no CUDA driver: dlopen(libcuda.so.1) failed: ") +
-                (why ? why : "unknown error");
+    out.error = std::string("no CUDA driver: dlopen(libcuda.so.1) failed: ") + (why ? why : "unknown error");
     return out;
   }
   auto get_proc = reinterpret_cast<GetProcAddress>(dlsym(lib, "cuGetProcAddress_v2"));
@@ -37,17 +34,17 @@ Loaded load() {
     out.error = "the CUDA driver is too old: cuGetProcAddress_v2 is missing (need a driver for CUDA 12 or newer)";
     return out;
   }
-#define TORCH_IPC_RESOLVE(name)                                                      \
-  {                                                                                   \
-    void* fn = nullptr;                                                               \
-    CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;     \
-    CUresult r = get_proc(#name, &fn, kDriverAbi, CU_GET_PROC_ADDRESS_DEFAULT, &status); \
-    if (r != CUDA_SUCCESS || status != CU_GET_PROC_ADDRESS_SUCCESS || fn == nullptr) { \
-      out.error = "the CUDA driver lacks " #name " (cuGetProcAddress: CUresult " +    \
-                  std::to_string(r) + ", status " + std::to_string(status) + ")";     \
-      return out;                                                                     \
-    }                                                                                 \
-    out.api.name = reinterpret_cast<decltype(out.api.name)>(fn);                      \
+#define TORCH_IPC_RESOLVE(name)                                                                                      \
+  {                                                                                                                  \
+    void* fn = nullptr;                                                                                              \
+    CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;                                    \
+    CUresult r = get_proc(#name, &fn, kDriverAbi, CU_GET_PROC_ADDRESS_DEFAULT, &status);                             \
+    if (r != CUDA_SUCCESS || status != CU_GET_PROC_ADDRESS_SUCCESS || fn == nullptr) {                               \
+      out.error = "the CUDA driver lacks " #name " (cuGetProcAddress: CUresult " + std::to_string(r) + ", status " + \
+                  std::to_string(status) + ")";                                                                      \
+      return out;                                                                                                    \
+    }                                                                                                                \
+    out.api.name = reinterpret_cast<decltype(out.api.name)>(fn);                                                     \
   }
   TORCH_IPC_DRIVER_FUNCTIONS(TORCH_IPC_RESOLVE)
 #undef TORCH_IPC_RESOLVE
@@ -55,8 +52,7 @@ Loaded load() {
   if (init != CUDA_SUCCESS) {
     const char* name = nullptr;
     if (out.api.cuGetErrorName(init, &name) != CUDA_SUCCESS) name = nullptr;
-    out.error = std::string("cuInit failed: ") +
-                (name ? name : "CUDA_ERROR_" + std::to_string(init));
+    out.error = std::string("cuInit failed: ") + (name ? name : "CUDA_ERROR_" + std::to_string(init));
   }
   return out;
 }
@@ -65,8 +61,7 @@ Loaded load() {
 // not know is "CUDA_ERROR_<number>".
 std::string error_name(const Loaded& l, CUresult result) {
   const char* name = nullptr;
-  if (l.error.empty() && l.api.cuGetErrorName(result, &name) == CUDA_SUCCESS && name != nullptr)
-    return name;
+  if (l.error.empty() && l.api.cuGetErrorName(result, &name) == CUDA_SUCCESS && name != nullptr) return name;
   return "CUDA_ERROR_" + std::to_string(result);
 }
 
@@ -84,7 +79,6 @@ const Loaded& loaded() {
   return instance;
 }
 
-
 }  // namespace
 
 void cuda_forbid_after_fork() { cuda_forbidden.store(driver_initialised.load()); }
@@ -93,8 +87,8 @@ void forbid_cuda_after_fork() { cuda_forbidden.store(true); }
 
 const DriverApi& driver() {
   TORCH_IPC_CHECK(!cuda_forbidden.load(),
-              "Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, "
-              "you must use the 'spawn' start method");
+                  "Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, "
+                  "you must use the 'spawn' start method");
   const Loaded& l = loaded();
   if (!l.error.empty()) throw CudaUnavailable("torch_ipc: CUDA is not usable here: " + l.error);
   return l.api;
@@ -110,8 +104,7 @@ std::string driver_error_message(const char* call, CUresult result) {
   const Loaded& l = loaded();
   const char* text = nullptr;
   if (!l.error.empty() || l.api.cuGetErrorString(result, &text) != CUDA_SUCCESS) text = nullptr;
-  return std::string(call) + " failed: " + error_name(l, result) + " (" +
-         (text ? text : "unknown error") + ")";
+  return std::string(call) + " failed: " + error_name(l, result) + " (" + (text ? text : "unknown error") + ")";
 }
 
 void throw_driver_error(const char* call, CUresult result, const std::string& context) {

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cuda.h>
-
 #include <string>
 
 namespace torch_ipc {
@@ -13,48 +12,48 @@ namespace torch_ipc {
 // and build without nvcc. Every driver entry point is looked up once, on first
 // use, through cuGetProcAddress with the ABI version we were written against
 // (kDriverAbi), so a newer cuda.h cannot silently change a signature under us.
-#define TORCH_IPC_DRIVER_FUNCTIONS(X)  \
-  X(cuInit)                            \
-  X(cuDriverGetVersion)                \
-  X(cuGetErrorName)                    \
-  X(cuGetErrorString)                  \
-  X(cuDeviceGet)                       \
-  X(cuDeviceGetCount)                  \
-  X(cuDeviceGetUuid)                   \
-  X(cuDevicePrimaryCtxRetain)          \
-  X(cuCtxGetCurrent)                   \
-  X(cuCtxPushCurrent)                  \
-  X(cuCtxPopCurrent)                   \
-  X(cuPointerGetAttributes)            \
-  X(cuIpcGetMemHandle)                 \
-  X(cuIpcOpenMemHandle)                \
-  X(cuIpcCloseMemHandle)               \
-  X(cuIpcGetEventHandle)               \
-  X(cuIpcOpenEventHandle)              \
-  X(cuEventCreate)                     \
-  X(cuEventRecord)                     \
-  X(cuEventQuery)                      \
-  X(cuEventSynchronize)                \
-  X(cuEventDestroy)                    \
-  X(cuStreamWaitEvent)                 \
-  X(cuStreamQuery)                     \
-  X(cuMemCreate)                       \
-  X(cuMemRelease)                      \
-  X(cuMemExportToShareableHandle)      \
-  X(cuMemImportFromShareableHandle)    \
-  X(cuMemAddressReserve)               \
-  X(cuMemAddressFree)                  \
-  X(cuMemMap)                          \
-  X(cuMemUnmap)                        \
-  X(cuMemSetAccess)                    \
-  X(cuMemGetAllocationGranularity)     \
-  X(cuMemRetainAllocationHandle)       \
+#define TORCH_IPC_DRIVER_FUNCTIONS(X)       \
+  X(cuInit)                                 \
+  X(cuDriverGetVersion)                     \
+  X(cuGetErrorName)                         \
+  X(cuGetErrorString)                       \
+  X(cuDeviceGet)                            \
+  X(cuDeviceGetCount)                       \
+  X(cuDeviceGetUuid)                        \
+  X(cuDevicePrimaryCtxRetain)               \
+  X(cuCtxGetCurrent)                        \
+  X(cuCtxPushCurrent)                       \
+  X(cuCtxPopCurrent)                        \
+  X(cuPointerGetAttributes)                 \
+  X(cuIpcGetMemHandle)                      \
+  X(cuIpcOpenMemHandle)                     \
+  X(cuIpcCloseMemHandle)                    \
+  X(cuIpcGetEventHandle)                    \
+  X(cuIpcOpenEventHandle)                   \
+  X(cuEventCreate)                          \
+  X(cuEventRecord)                          \
+  X(cuEventQuery)                           \
+  X(cuEventSynchronize)                     \
+  X(cuEventDestroy)                         \
+  X(cuStreamWaitEvent)                      \
+  X(cuStreamQuery)                          \
+  X(cuMemCreate)                            \
+  X(cuMemRelease)                           \
+  X(cuMemExportToShareableHandle)           \
+  X(cuMemImportFromShareableHandle)         \
+  X(cuMemAddressReserve)                    \
+  X(cuMemAddressFree)                       \
+  X(cuMemMap)                               \
+  X(cuMemUnmap)                             \
+  X(cuMemSetAccess)                         \
+  X(cuMemGetAllocationGranularity)          \
+  X(cuMemRetainAllocationHandle)            \
   X(cuMemGetAllocationPropertiesFromHandle) \
-  X(cuCtxSynchronize)                  \
-  X(cuMemsetD8Async)                   \
-  X(cuMemGetAddressRange)             \
-  X(cuModuleLoadData)                  \
-  X(cuModuleGetFunction)               \
+  X(cuCtxSynchronize)                       \
+  X(cuMemsetD8Async)                        \
+  X(cuMemGetAddressRange)                   \
+  X(cuModuleLoadData)                       \
+  X(cuModuleGetFunction)                    \
   X(cuLaunchKernel)
 
 struct DriverApi {
@@ -80,24 +79,22 @@ std::string driver_error_message(const char* call, CUresult result);
 
 // Raise torch_ipc.CudaError naming `call` and the driver's name for `result`;
 // `context`, when given, says what was being done ("<context>: <call> failed: ...").
-[[noreturn]] void throw_driver_error(const char* call, CUresult result,
-                                     const std::string& context = "");
+[[noreturn]] void throw_driver_error(const char* call, CUresult result, const std::string& context = "");
 
 }  // namespace torch_ipc
 
 // Call a driver function; on failure raise torch_ipc.CudaError naming the call
 // and the driver's name for the error.
-#define TORCH_IPC_CU(call_name, ...)                                   \
-  do {                                                                 \
-    CUresult torch_ipc_result_ = ::torch_ipc::driver().call_name(__VA_ARGS__); \
-    if (torch_ipc_result_ != CUDA_SUCCESS)                             \
-      ::torch_ipc::throw_driver_error(#call_name, torch_ipc_result_);  \
+#define TORCH_IPC_CU(call_name, ...)                                                                       \
+  do {                                                                                                     \
+    CUresult torch_ipc_result_ = ::torch_ipc::driver().call_name(__VA_ARGS__);                             \
+    if (torch_ipc_result_ != CUDA_SUCCESS) ::torch_ipc::throw_driver_error(#call_name, torch_ipc_result_); \
   } while (0)
 
 // Teardown variant: destructors never throw, they warn.
-#define TORCH_IPC_CU_WARN(call_name, ...)                              \
-  do {                                                                 \
-    CUresult torch_ipc_result_ = ::torch_ipc::driver().call_name(__VA_ARGS__); \
-    if (torch_ipc_result_ != CUDA_SUCCESS)                             \
+#define TORCH_IPC_CU_WARN(call_name, ...)                                           \
+  do {                                                                              \
+    CUresult torch_ipc_result_ = ::torch_ipc::driver().call_name(__VA_ARGS__);      \
+    if (torch_ipc_result_ != CUDA_SUCCESS)                                          \
       TORCH_WARN(::torch_ipc::driver_error_message(#call_name, torch_ipc_result_)); \
   } while (0)

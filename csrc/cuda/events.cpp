@@ -1,18 +1,20 @@
 #include "cuda/events.h"
 
-#include <c10/util/Exception.h>
-
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <utility>
 #include <vector>
 
-#include "cuda/cuda_context.h"
-#include "cuda/cuda_driver.h"
+#include <c10/util/Exception.h>
+
 #include "base/errors.h"
 #include "base/fork.h"
+
 #include "os/process.h"
+
+#include "cuda/cuda_context.h"
+#include "cuda/cuda_driver.h"
 
 namespace torch_ipc {
 namespace {
@@ -41,9 +43,9 @@ struct EventPool {
 
 struct Events {
   std::mutex mu;
-  std::map<std::pair<int, CUstream>, EventPool> pools;         // producer side
-  std::map<Handle64, std::weak_ptr<OpenedEvent>> users;         // consumer side, by handle
-  std::map<Handle64, std::shared_ptr<OpenedEvent>> kept;        // ... kept open while the producer lives
+  std::map<std::pair<int, CUstream>, EventPool> pools;    // producer side
+  std::map<Handle64, std::weak_ptr<OpenedEvent>> users;   // consumer side, by handle
+  std::map<Handle64, std::shared_ptr<OpenedEvent>> kept;  // ... kept open while the producer lives
 };
 
 Events& events() { return *process_state<Events>(); }
@@ -76,8 +78,8 @@ void events_forget_after_fork() { forget_after_fork<Events>(); }
 const AfterForkInChild reset_events_after_fork(&events_forget_after_fork);
 
 OpenedEvent::~OpenedEvent() {
-  if (event == nullptr || made.inherited()) return;  // CUDA is unusable in a forked child
-  CUresult r = driver().cuEventDestroy(event);  // needs no current context
+  if (event == nullptr || made.inherited()) return;        // CUDA is unusable in a forked child
+  CUresult r = driver().cuEventDestroy(event);             // needs no current context
   if (r != CUDA_SUCCESS && r != CUDA_ERROR_DEINITIALIZED)  // at exit, the driver went first
     TORCH_WARN(driver_error_message("cuEventDestroy", r));
 }
@@ -176,8 +178,7 @@ void close_events_of_dead(const AliveFn& alive) {
       ++it;
     }
   }
-  for (auto it = e.users.begin(); it != e.users.end();)
-    it = it->second.expired() ? e.users.erase(it) : std::next(it);
+  for (auto it = e.users.begin(); it != e.users.end();) it = it->second.expired() ? e.users.erase(it) : std::next(it);
 }
 
 int64_t events_open() {

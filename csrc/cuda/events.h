@@ -2,14 +2,14 @@
 // events, recorded at export, and the consumer's cache of opened ones.
 #pragma once
 
-#include <cuda.h>
-
 #include <cstdint>
+#include <cuda.h>
 #include <functional>
 #include <memory>
 #include <optional>
 
 #include "wire/descriptor.h"
+
 #include "os/process.h"
 
 namespace torch_ipc {

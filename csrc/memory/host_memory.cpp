@@ -8,6 +8,7 @@
 
 #include "base/errors.h"
 #include "base/fork.h"
+
 #include "os/names.h"
 #include "os/process.h"
 #include "os/refcount.h"

@@ -2,10 +2,10 @@
 // place (as torch's share_memory_() does) and mapping it in another process.
 #pragma once
 
-#include <c10/core/Storage.h>
-
 #include <memory>
 #include <string>
+
+#include <c10/core/Storage.h>
 
 #include "os/shm.h"
 

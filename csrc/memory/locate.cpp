@@ -1,17 +1,19 @@
 #include "memory/locate.h"
-#include "base/errors.h"
-
-#include <c10/core/StorageImpl.h>
-#include <c10/util/intrusive_ptr.h>
 
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <unordered_map>
 
+#include <c10/core/StorageImpl.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include "base/errors.h"
+#include "base/fork.h"
+
 #include "cuda/cuda_context.h"
 #include "cuda/cuda_driver.h"
-#include "base/fork.h"
+
 #include "memory/host_memory.h"
 #include "memory/vmm.h"
 
@@ -62,8 +64,8 @@ const Location* cached(Locations& l, const c10::Storage& storage) {
 void remember(Locations& l, const c10::Storage& storage, const Location& where) {
   c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
   auto strong = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(impl);
-  l.storages.insert_or_assign(
-      impl, CachedStorage{c10::weak_intrusive_ptr<c10::StorageImpl>(strong), storage.data(), where});
+  l.storages.insert_or_assign(impl,
+                              CachedStorage{c10::weak_intrusive_ptr<c10::StorageImpl>(strong), storage.data(), where});
 }
 
 // The legacy IPC location of a storage in a cudaMalloc segment; nullopt when
@@ -74,9 +76,8 @@ std::optional<Location> locate_legacy(Locations& l, const c10::Storage& storage,
   size_t range = 0;
   unsigned long long buffer_id = 0;
   int legacy_ipc = 0;
-  CUpointer_attribute attrs[] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-                                 CU_POINTER_ATTRIBUTE_RANGE_SIZE, CU_POINTER_ATTRIBUTE_BUFFER_ID,
-                                 CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE};
+  CUpointer_attribute attrs[] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                                 CU_POINTER_ATTRIBUTE_BUFFER_ID, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE};
   void* values[] = {&start, &range, &buffer_id, &legacy_ipc};
   TORCH_IPC_CU(cuPointerGetAttributes, 4, attrs, values, reinterpret_cast<CUdeviceptr>(data));
   if (!legacy_ipc) return std::nullopt;

@@ -2,10 +2,10 @@
 // VMM chunks, or host shared memory), looked up once and cached per storage.
 #pragma once
 
-#include <c10/core/Storage.h>
-
 #include <functional>
 #include <vector>
+
+#include <c10/core/Storage.h>
 
 #include "memory/location.h"
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "base/ids.h"
+
 #include "wire/descriptor.h"
 
 namespace torch_ipc {

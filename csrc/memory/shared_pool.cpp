@@ -1,22 +1,26 @@
 // SharedPool: cuMemCreate allocations of a whole number of granules, one per
 // tensor, with shareable handles; freed (after a device sync) with the storage.
 #include "memory/shared_pool.h"
-#include "base/errors.h"
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
 
 #include <c10/core/StorageImpl.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
 
-#include <algorithm>
-#include <atomic>
-#include <memory>
+#include "base/errors.h"
+
+#include "wire/vmm_handle.h"
+
+#include "os/process.h"
 
 #include "cuda/cuda_context.h"
 #include "cuda/cuda_driver.h"
-#include "os/process.h"
+
 #include "memory/vmm_mapping.h"
-#include "wire/vmm_handle.h"
 
 namespace torch_ipc {
 namespace {
@@ -56,8 +60,9 @@ struct PoolAllocation {
 void delete_pool_allocation(void* ctx) { delete static_cast<PoolAllocation*>(ctx); }
 
 CUmemAllocationProp pool_prop(int device, CUmemAllocationHandleType type) {
-  TORCH_IPC_CHECK(vmm_known_handle_type(type), "torch_ipc: handle type must be POSIX_FILE_DESCRIPTOR (1) or FABRIC (8), not ",
-              static_cast<int>(type));
+  TORCH_IPC_CHECK(vmm_known_handle_type(type),
+                  "torch_ipc: handle type must be POSIX_FILE_DESCRIPTOR (1) or FABRIC (8), not ",
+                  static_cast<int>(type));
   CUdevice dev;
   TORCH_IPC_CU(cuDeviceGet, &dev, device);
   CUmemAllocationProp prop{};
@@ -104,8 +109,7 @@ at::Tensor vmm_pool_empty(const std::vector<int64_t>& sizes, c10::ScalarType dty
   CUresult r = driver().cuMemCreate(&a->handle, a->size, &prop, 0);
   if (r == CUDA_ERROR_OUT_OF_MEMORY)
     TORCH_CHECK_WITH(OutOfMemoryError, false,  // one string: no stream (Note [messages without iostreams])
-                     str("torch_ipc.SharedPool: out of memory allocating ", a->size, " bytes on CUDA device ",
-                         device));
+                     str("torch_ipc.SharedPool: out of memory allocating ", a->size, " bytes on CUDA device ", device));
   if (r != CUDA_SUCCESS && handle_type == CU_MEM_HANDLE_TYPE_FABRIC)
     throw_driver_error("cuMemCreate", r,
                        "torch_ipc.SharedPool: cannot create memory with fabric handles here; they "
@@ -125,15 +129,13 @@ at::Tensor vmm_pool_empty(const std::vector<int64_t>& sizes, c10::ScalarType dty
   TORCH_IPC_CU(cuMemSetAccess, a->va, a->size, &access, 1);
   // Note [pool tail]: a consumer maps the whole allocation; what lies past the
   // tensor must not be stale bytes of memory this process freed before.
-  if (a->size > nbytes)
-    TORCH_IPC_CU(cuMemsetD8Async, a->va + nbytes, 0, a->size - nbytes, current_stream(device));
+  if (a->size > nbytes) TORCH_IPC_CU(cuMemsetD8Async, a->va + nbytes, 0, a->size - nbytes, current_stream(device));
 
   void* ptr = reinterpret_cast<void*>(a->va);
   c10::DataPtr data(ptr, a.release(), &delete_pool_allocation,
                     c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
   c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(data), nullptr, false);
-  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), cuda_keys(),
-                                                   c10::scalarTypeToTypeMeta(dtype));
+  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), cuda_keys(), c10::scalarTypeToTypeMeta(dtype));
   impl->set_sizes_contiguous(sizes);
   return at::Tensor(std::move(impl));
 }
@@ -148,8 +150,7 @@ at::Tensor vmm_mapping_view(const at::Tensor& t) {
   ScopedContext scope(device);
   auto [base, size, block] = chunk_at(reinterpret_cast<CUdeviceptr>(t.storage().data()));
   (void)block;
-  c10::DataPtr data(reinterpret_cast<void*>(base), new c10::Storage(t.storage()), &delete_storage_ref,
-                    t.device());
+  c10::DataPtr data(reinterpret_cast<void*>(base), new c10::Storage(t.storage()), &delete_storage_ref, t.device());
   c10::Storage storage(c10::Storage::use_byte_size_t(), size, std::move(data), nullptr, false);
   auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), cuda_keys(),
                                                    c10::scalarTypeToTypeMeta(c10::ScalarType::Byte));

@@ -3,12 +3,11 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/core/Storage.h>
-
-#include <cuda.h>
-
 #include <cstdint>
+#include <cuda.h>
 #include <vector>
+
+#include <c10/core/Storage.h>
 
 namespace torch_ipc {
 

@@ -4,9 +4,10 @@
 
 #include <cstdint>
 
+#include "wire/vmm_handle.h"
+
 #include "memory/shared_pool.h"
 #include "memory/vmm_export.h"
-#include "wire/vmm_handle.h"
 #include "memory/vmm_import.h"
 
 namespace torch_ipc {

@@ -1,11 +1,6 @@
 // VMM producer side: the export cache of physical allocations (chunks), the runs
 // of them published for consumers (fd_publish), and their collection once dead.
 #include "memory/vmm_export.h"
-#include "base/errors.h"
-
-#include <c10/core/StorageImpl.h>
-#include <c10/util/Exception.h>
-#include <c10/util/intrusive_ptr.h>
 
 #include <algorithm>
 #include <cstring>
@@ -14,17 +9,25 @@
 #include <mutex>
 #include <numeric>
 #include <string>
+#include <unistd.h>
 #include <unordered_map>
 
-#include <unistd.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/Exception.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include "base/errors.h"
+#include "base/fork.h"
+
+#include "wire/vmm_handle.h"
+
+#include "os/fd_passing.h"
 
 #include "cuda/cuda_context.h"
 #include "cuda/cuda_driver.h"
-#include "base/fork.h"
-#include "os/fd_passing.h"
+
 #include "memory/shared_pool.h"
 #include "memory/vmm_mapping.h"
-#include "wire/vmm_handle.h"
 
 namespace torch_ipc {
 namespace {
@@ -90,8 +93,7 @@ Exporter& exporter() { return *process_state<Exporter>(); }
 void sweep(Exporter& e, std::vector<std::shared_ptr<Group>>& dropped) {
   for (auto it = e.groups.begin(); it != e.groups.end();) {
     auto& users = it->second->users;
-    users.erase(std::remove_if(users.begin(), users.end(), [](auto& w) { return w.expired(); }),
-                users.end());
+    users.erase(std::remove_if(users.begin(), users.end(), [](auto& w) { return w.expired(); }), users.end());
     if (users.empty()) {
       dropped.push_back(std::move(it->second));
       it = e.groups.erase(it);
@@ -131,12 +133,11 @@ std::shared_ptr<Chunk> export_chunk(CUdeviceptr va, uint64_t size, int device) {
     static_assert(sizeof(fabric) == 64, "a fabric handle is 64 bytes");
     std::memcpy(c->blob.data(), &fabric, 64);
   } else {
-    TORCH_IPC_CHECK(
-        false,
-        "torch_ipc: this CUDA tensor lives in a cuMemCreate allocation made without a shareable "
-        "handle type (requestedHandleTypes has neither POSIX_FILE_DESCRIPTOR nor FABRIC), so no "
-        "other process can map it. Allocate it from torch_ipc.SharedPool, or use "
-        "torch_ipc.dumps(..., isolated=True), which copies it there");
+    TORCH_IPC_CHECK(false,
+                    "torch_ipc: this CUDA tensor lives in a cuMemCreate allocation made without a shareable "
+                    "handle type (requestedHandleTypes has neither POSIX_FILE_DESCRIPTOR nor FABRIC), so no "
+                    "other process can map it. Allocate it from torch_ipc.SharedPool, or use "
+                    "torch_ipc.dumps(..., isolated=True), which copies it there");
   }
   return c;
 }
@@ -152,7 +153,7 @@ std::shared_ptr<Group> publish_group(std::vector<std::shared_ptr<Chunk>> chunks)
   std::vector<PublishedItem> items;
   for (auto& c : g->chunks) {
     TORCH_IPC_CHECK(c->type == g->chunks[0]->type,
-                "torch_ipc: a storage spans allocations with different shareable handle types");
+                    "torch_ipc: a storage spans allocations with different shareable handle types");
     if (c->size != f.chunk_bytes) f.chunk_bytes = 0;
     g->size += c->size;
     items.push_back(PublishedItem{c->size, c->fd.get(), c->blob});
@@ -231,10 +232,9 @@ std::vector<Location> locate_vmm(const std::vector<c10::Storage>& storages, int 
       bool known = false;
       for (auto& w : g.users) known = known || w._unsafe_get_target() == impl;
       if (!known)
-        g.users.emplace_back(
-            c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(const_cast<c10::StorageImpl*>(impl)));
-      out[order[k]] = Location{Allocation{AllocKind::CudaVmm, device, g.field, g.size},
-                               spans[order[k]].data - run.front().base};
+        g.users.emplace_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(const_cast<c10::StorageImpl*>(impl)));
+      out[order[k]] =
+          Location{Allocation{AllocKind::CudaVmm, device, g.field, g.size}, spans[order[k]].data - run.front().base};
     }
     i = j;
   }

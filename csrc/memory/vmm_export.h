@@ -2,13 +2,12 @@
 // once (the export cache), publishes their runs for consumers, and drops dead runs.
 #pragma once
 
-#include <c10/core/Storage.h>
-
-#include <cuda.h>
-
 #include <cstddef>
 #include <cstdint>
+#include <cuda.h>
 #include <vector>
+
+#include <c10/core/Storage.h>
 
 #include "memory/location.h"
 #include "memory/vmm_mapping.h"

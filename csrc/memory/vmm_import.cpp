@@ -2,18 +2,21 @@
 // access) for one handle field, and the teardown of the mapping it makes.
 #include "memory/vmm_import.h"
 
-#include <c10/util/Exception.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <string>
 
+#include <c10/util/Exception.h>
+
+#include "base/errors.h"
+
+#include "wire/vmm_handle.h"
+
+#include "os/fd_passing.h"
+
 #include "cuda/cuda_context.h"
 #include "cuda/cuda_driver.h"
-#include "base/errors.h"
-#include "os/fd_passing.h"
-#include "wire/vmm_handle.h"
 
 namespace torch_ipc {
 namespace {
@@ -26,8 +29,7 @@ VmmMapping::~VmmMapping() {
   if (device < 0) return;
   try {
     ScopedContext scope(device);
-    for (auto it = mapped.rbegin(); it != mapped.rend(); ++it)
-      TORCH_IPC_CU_WARN(cuMemUnmap, it->first, it->second);
+    for (auto it = mapped.rbegin(); it != mapped.rend(); ++it) TORCH_IPC_CU_WARN(cuMemUnmap, it->first, it->second);
     for (auto h : handles) TORCH_IPC_CU_WARN(cuMemRelease, h);
     if (base != 0) TORCH_IPC_CU_WARN(cuMemAddressFree, base, size);
   } catch (const std::exception& e) {
@@ -140,8 +142,7 @@ void map_chunks(VmmMapping& m, const std::vector<ReceivedItem>& items, uint64_t 
 
 // A mapping that fails halfway is torn down by ~VmmMapping: what was
 // imported is released, what was mapped unmapped, the reservation freed.
-std::shared_ptr<VmmMapping> import_vmm(const Handle64& handle, uint64_t size, int device,
-                                       const ProcessId& owner) {
+std::shared_ptr<VmmMapping> import_vmm(const Handle64& handle, uint64_t size, int device, const ProcessId& owner) {
   const VmmHandleField f = decode_vmm_handle(handle, size);
   if (f.pid != owner.pid)
     throw bad_field("it names pid " + std::to_string(f.pid) + " but its lease belongs to pid " +

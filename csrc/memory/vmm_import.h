@@ -2,9 +2,8 @@
 // them into one VA range (VmmMapping), which unmaps and releases when dropped.
 #pragma once
 
-#include <cuda.h>
-
 #include <cstdint>
+#include <cuda.h>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -19,8 +18,8 @@ struct VmmMapping {
   int device = -1;
   CUdeviceptr base = 0;
   uint64_t size = 0;  // reserved bytes; equal to the sum of the mapped ones when complete
-  std::vector<CUmemGenericAllocationHandle> handles;      // imported, released last
-  std::vector<std::pair<CUdeviceptr, uint64_t>> mapped;   // (address, bytes)
+  std::vector<CUmemGenericAllocationHandle> handles;     // imported, released last
+  std::vector<std::pair<CUdeviceptr, uint64_t>> mapped;  // (address, bytes)
   VmmMapping() = default;
   VmmMapping(const VmmMapping&) = delete;
   VmmMapping& operator=(const VmmMapping&) = delete;
@@ -32,8 +31,7 @@ struct VmmMapping {
 // size, `owner` the process that owns the lease (the exporter). Throws
 // DescriptorError for a malformed or inconsistent field (decode_vmm_handle),
 // ProducerGone, Released, CudaError naming what the driver refused.
-std::shared_ptr<VmmMapping> import_vmm(const Handle64& handle, uint64_t size, int device,
-                                       const ProcessId& owner);
+std::shared_ptr<VmmMapping> import_vmm(const Handle64& handle, uint64_t size, int device, const ProcessId& owner);
 
 struct VmmImportStats {
   int64_t mappings = 0;  // live imported VMM mappings

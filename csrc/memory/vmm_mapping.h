@@ -2,9 +2,8 @@
 // physical allocation that hold an address. Used by the export side and SharedPool.
 #pragma once
 
-#include <cuda.h>
-
 #include <cstddef>
+#include <cuda.h>
 #include <string>
 
 namespace torch_ipc {

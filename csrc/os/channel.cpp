@@ -1,5 +1,10 @@
 #include "os/channel.h"
 
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstdio>
+#include <cstring>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -8,13 +13,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <cerrno>
-#include <cstddef>
-#include <cstdio>
-#include <cstring>
-
 #include "base/errors.h"
+
 #include "os/futex.h"
 
 namespace torch_ipc {
@@ -62,7 +62,7 @@ namespace {
 
 std::unique_ptr<ChannelSegment> map_checked(int memory, int socket, int side, uint32_t ring_bytes) {
   TORCH_IPC_CHECK_VALUE(side == 0 || side == 1, "torch_ipc: a channel end's side is 0 or 1, not ", side);
-  struct stat st {};
+  struct stat st{};
   if (fstat(socket, &st) != 0) throw_os_error("fstat", "the channel's socket");
   if (!S_ISSOCK(st.st_mode)) throw OsError(ENOTSOCK, "torch_ipc: the channel's socket is not a socket");
   return ChannelSegment::map(memory, ring_bytes);
@@ -98,8 +98,7 @@ bool process_gone(int32_t pid) {
 // PIPE_BUF. The check is one load of a word of the segment per message. A
 // peer can write a live pid there and make our calls raise: never a hang.
 
-Channel::Channel(UniqueFd memory, UniqueFd socket, UniqueFd bell0, UniqueFd bell1, int side,
-                 uint32_t ring_bytes)
+Channel::Channel(UniqueFd memory, UniqueFd socket, UniqueFd bell0, UniqueFd bell1, int side, uint32_t ring_bytes)
     : memory_(std::move(memory)),
       socket_(std::move(socket)),
       bell_{open_private_bell(bell0.get()), open_private_bell(bell1.get())},  // Note [private bells]
@@ -124,8 +123,8 @@ void Channel::claim(std::atomic<int32_t>* owner, const char* doing) const {
   int32_t was = owner->load(std::memory_order_relaxed);
   while (was != pid_) {
     if (was > 0 && !process_gone(was))
-      throw OsError(EBUSY, str("torch_ipc: process ", was, " ", doing, " on this end of the connection; process ",
-                               pid_, " may not as well: an end is used by one process at a time, or messages get "
+      throw OsError(EBUSY, str("torch_ipc: process ", was, " ", doing, " on this end of the connection; process ", pid_,
+                               " may not as well: an end is used by one process at a time, or messages get "
                                "garbled. Close the end in the process that no longer uses it, or give each "
                                "process a connection of its own (Note [one process per end])"));
     if (owner->compare_exchange_weak(was, pid_, std::memory_order_relaxed)) return;
@@ -144,7 +143,7 @@ WaitContext Channel::context(int64_t deadline_ns) const {
 }
 
 bool Channel::peer_gone() const {
-  struct pollfd p {socket_.get(), POLLIN | POLLRDHUP, 0};
+  struct pollfd p{socket_.get(), POLLIN | POLLRDHUP, 0};
   if (::poll(&p, 1, 0) <= 0) return false;  // nothing, or could not check: not gone
   bool gone = (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0;
   if (!gone && (p.revents & POLLIN)) {  // the socket carries nothing once the rings run: only its end
@@ -158,8 +157,8 @@ bool Channel::peer_gone() const {
 void Channel::fail(WaitEnd end, const char* doing) {
   if (end == WaitEnd::Interrupted) throw WaitInterrupted();
   if (end == WaitEnd::Closed) throw OsError(EBADF, "torch_ipc: the connection is closed");
-  throw OsError(EPIPE, str("torch_ipc: the other end of the connection is gone (closed, or its process exited) while ",
-                           doing));
+  throw OsError(
+      EPIPE, str("torch_ipc: the other end of the connection is gone (closed, or its process exited) while ", doing));
 }
 
 void Channel::send(const void* data, size_t size) {
@@ -231,9 +230,9 @@ int Channel::wait_fd() {
   UniqueFd ep(epoll_create1(EPOLL_CLOEXEC));
   if (ep.get() < 0) throw_os_error("epoll_create1", "a channel's wait fd");
   int incoming = 1 - side_;
-  struct epoll_event bell {};
+  struct epoll_event bell{};
   bell.events = EPOLLIN;
-  struct epoll_event sock {};
+  struct epoll_event sock{};
   sock.events = EPOLLIN | EPOLLRDHUP;
   if (epoll_ctl(ep.get(), EPOLL_CTL_ADD, bell_[incoming].get(), &bell) != 0 ||
       epoll_ctl(ep.get(), EPOLL_CTL_ADD, socket_.get(), &sock) != 0)

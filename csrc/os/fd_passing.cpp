@@ -2,29 +2,29 @@
 // protocol (SOCK_SEQPACKET + SCM_RIGHTS), the client, and pidfd_getfd pulls.
 #include "os/fd_passing.h"
 
-#include <poll.h>
-#include <sys/socket.h>
-#include <sys/syscall.h>
-#include <sys/un.h>
-#include <unistd.h>
-#include <fcntl.h>
-
 #include <atomic>
 #include <cerrno>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <fcntl.h>
 #include <mutex>
 #include <optional>
+#include <poll.h>
 #include <set>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
 #include <thread>
+#include <unistd.h>
 #include <unordered_map>
 
 #include <c10/util/Exception.h>
 
 #include "base/errors.h"
-#include "os/names.h"
 #include "base/fork.h"
+
+#include "os/names.h"
 #include "os/process.h"
 #include "os/socket_dir.h"
 
@@ -82,9 +82,9 @@ constexpr int kAnswerSeconds = 10;  // how long a client waits for each reply
 struct Server {
   std::mutex mu;
   std::unordered_map<uint64_t, std::vector<PublishedItem>> published;
-  pid_t started_by = 0;  // the pid whose thread serves; another pid (a fork) restarts
-  uint32_t tag = 0;      // the random part of its socket name, Note [fd server name]
-  int listening = -1;    // its socket
+  pid_t started_by = 0;     // the pid whose thread serves; another pid (a fork) restarts
+  uint32_t tag = 0;         // the random part of its socket name, Note [fd server name]
+  int listening = -1;       // its socket
   int listening_path = -1;  // its socket at a path (Note [fd server at a path]), or -1
   std::string path;         // that socket's path while it is linked
   std::atomic<int64_t> served{0}, refused{0};
@@ -176,8 +176,7 @@ void serve_one(int sock) {
   // descriptor is a capability (the id is random), but the uid check is the
   // boundary, as it is for ptrace and pidfd_getfd.
   if (cred.uid != geteuid()) return refuse(sock, EACCES);
-  if (got != static_cast<ssize_t>(sizeof(req)) || req.magic != kRequestMagic ||
-      req.version != kProtocol)
+  if (got != static_cast<ssize_t>(sizeof(req)) || req.magic != kRequestMagic || req.version != kProtocol)
     return refuse(sock, EPROTO);
 
   std::vector<PublishedItem> items;
@@ -205,8 +204,8 @@ void serve_one(int sock) {
   ++s.served;  // counted before the last send: the client may look at once
   for (uint32_t first = 0; first < items.size() || first == 0; first += kBatch) {
     uint32_t count = std::min<uint32_t>(kBatch, static_cast<uint32_t>(items.size()) - first);
-    ReplyHeader h{kReplyMagic, 0, static_cast<uint32_t>(items.size()), first, count,
-                  (with_fds ? kHasFds : 0u) | (with_blobs ? kHasBlobs : 0u)};
+    ReplyHeader h{kReplyMagic, 0,     static_cast<uint32_t>(items.size()),
+                  first,       count, (with_fds ? kHasFds : 0u) | (with_blobs ? kHasBlobs : 0u)};
     if (!send_reply(sock, h, items.data() + first, with_fds ? raw.data() + first : nullptr)) {
       --s.served;
       return;
@@ -306,11 +305,10 @@ void listen_at_path_too(Server& s) {
 // Called with s.mu held.
 void ensure_server(Server& s) {
   if (s.started_by == getpid()) return;
-  std::optional<UniqueFd> listener =
-      create_under_random_name("the fd server's socket", [&](uint64_t r) {
-        s.tag = static_cast<uint32_t>(r);
-        return listen_on(fd_socket_name(self_process(), s.tag));
-      });
+  std::optional<UniqueFd> listener = create_under_random_name("the fd server's socket", [&](uint64_t r) {
+    s.tag = static_cast<uint32_t>(r);
+    return listen_on(fd_socket_name(self_process(), s.tag));
+  });
   s.listening = listener->get();
   std::thread(serve_forever, listener->release()).detach();  // lives as long as the process
   listen_at_path_too(s);
@@ -347,11 +345,9 @@ bool fetch_pidfd(const ProcessId& owner, const std::vector<int>& remote_fds, boo
   UniqueFd pidfd(pidfd_open(static_cast<pid_t>(owner.pid)));
   if (pidfd.get() < 0) {
     const int err = errno;
-    if (err == ESRCH)
-      throw_gone_or(owner, os_error(err, "pidfd_open", "(" + pid_text(owner) + ")"));
+    if (err == ESRCH) throw_gone_or(owner, os_error(err, "pidfd_open", "(" + pid_text(owner) + ")"));
     if (!forced) return false;
-    throw os_error(err, "pidfd_open", "(" + pid_text(owner) + ")",
-                   "(TORCH_IPC_FD_TRANSPORT=pidfd needs Linux >= 5.6)");
+    throw os_error(err, "pidfd_open", "(" + pid_text(owner) + ")", "(TORCH_IPC_FD_TRANSPORT=pidfd needs Linux >= 5.6)");
   }
   // The pid may have been recycled before pidfd_open: the pidfd must be the producer's.
   if (!process_alive(owner)) throw producer_gone(owner.pid, kFdsLost);
@@ -381,8 +377,7 @@ bool fetch_pidfd(const ProcessId& owner, const std::vector<int>& remote_fds, boo
 // A connected socket to `addr`, or -1 with `err` set.
 UniqueFd connect_to(const sockaddr_un& addr, socklen_t len, int* err) {
   UniqueFd sock(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-  if (sock.get() < 0)
-    throw_os_error("socket(AF_UNIX, SOCK_SEQPACKET)", "to fetch file descriptors");
+  if (sock.get() < 0) throw_os_error("socket(AF_UNIX, SOCK_SEQPACKET)", "to fetch file descriptors");
   if (int e = set_timeouts(sock.get(), kAnswerSeconds, kAnswerSeconds))
     throw os_error(e, "setsockopt(SO_RCVTIMEO/SO_SNDTIMEO)", "of the fd socket");
   int rc;
@@ -447,12 +442,11 @@ UniqueFd connect_fd_server(const ProcessId& owner, uint64_t id) {
     }
   }
   if (sock.get() < 0)
-    throw_gone_or(owner, OsError(err, "torch_ipc: cannot reach the fd server of the producer (" +
-                                          pid_text(owner) + ") at " + where + ": " +
-                                          std::strerror(err) +
+    throw_gone_or(owner, OsError(err, "torch_ipc: cannot reach the fd server of the producer (" + pid_text(owner) +
+                                          ") at " + where + ": " + std::strerror(err) +
                                           " (it runs in another network namespace and does not "
-                                          "share the socket folder " + socket_dir() +
-                                          " (TORCH_IPC_SOCKET_DIR), or never exported VMM memory)"));
+                                          "share the socket folder " +
+                                          socket_dir() + " (TORCH_IPC_SOCKET_DIR), or never exported VMM memory)"));
   check_server(sock.get(), owner, where);
   return sock;
 }
@@ -504,12 +498,12 @@ size_t receive_reply(int sock, const ProcessId& owner, char* buf, std::vector<Un
     if (n < 0 && err == ECONNRESET && attempt == 0) continue;
     // SO_RCVTIMEO expired: a timeout (TimeoutError), not EAGAIN.
     if (n < 0 && (err == EAGAIN || err == EWOULDBLOCK) && attempt == 0)
-      throw_gone_or(owner, OsError(ETIMEDOUT, "torch_ipc: no answer from the fd server of the "
-                                              "producer (" + pid_text(owner) + ") within " +
-                                              std::to_string(kAnswerSeconds) + " s"));
+      throw_gone_or(owner, OsError(ETIMEDOUT,
+                                   "torch_ipc: no answer from the fd server of the "
+                                   "producer (" +
+                                       pid_text(owner) + ") within " + std::to_string(kAnswerSeconds) + " s"));
     if (n < 0 && attempt == 0)
-      throw_gone_or(owner,
-                    os_error(err, "recvmsg", "of the answer of the producer (" + pid_text(owner) + ")"));
+      throw_gone_or(owner, os_error(err, "recvmsg", "of the answer of the producer (" + pid_text(owner) + ")"));
     // The peer hung up without a word: a reset connection, ECONNRESET; trying
     // again may work, unless the producer is exiting (then ProducerGone).
     throw_gone_or(owner, OsError(ECONNRESET, "torch_ipc: the producer (" + pid_text(owner) +
@@ -520,8 +514,8 @@ size_t receive_reply(int sock, const ProcessId& owner, char* buf, std::vector<Un
 // A reply that breaks Note [fd server protocol] is EPROTO: the producer
 // answers, but not as this torch_ipc would (another version, or a bug).
 OsError malformed_reply(const ProcessId& owner, const std::string& why) {
-  return OsError(EPROTO, "torch_ipc: malformed reply from the fd server of the producer (" +
-                             pid_text(owner) + "): " + why);
+  return OsError(EPROTO,
+                 "torch_ipc: malformed reply from the fd server of the producer (" + pid_text(owner) + "): " + why);
 }
 
 // Step 4: a refusal in a reply header as the error it stands for.
@@ -535,10 +529,11 @@ void check_reply_status(const ReplyHeader& h, const ProcessId& owner) {
   if (h.status == EACCES)
     throw OsError(EACCES, "torch_ipc: the producer (" + pid_text(owner) +
                               ") refused to pass file descriptors: it runs as another user (this "
-                              "process has uid " + std::to_string(geteuid()) + ")");
+                              "process has uid " +
+                              std::to_string(geteuid()) + ")");
   if (h.status < 0 || h.status > 4095) throw malformed_reply(owner, "status " + std::to_string(h.status));
-  throw OsError(h.status, "torch_ipc: the producer (" + pid_text(owner) +
-                              ") refused the request: " + std::strerror(h.status));
+  throw OsError(h.status,
+                "torch_ipc: the producer (" + pid_text(owner) + ") refused the request: " + std::strerror(h.status));
 }
 
 std::vector<ReceivedItem> fetch_socket(const ProcessId& owner, uint64_t id) {
@@ -551,16 +546,14 @@ std::vector<ReceivedItem> fetch_socket(const ProcessId& owner, uint64_t id) {
     std::vector<UniqueFd> fds;
     const size_t n = receive_reply(sock.get(), owner, buf, fds);
     ReplyHeader h{};
-    if (n < sizeof(h))
-      throw malformed_reply(owner, std::to_string(n) + " bytes, shorter than a reply header");
+    if (n < sizeof(h)) throw malformed_reply(owner, std::to_string(n) + " bytes, shorter than a reply header");
     std::memcpy(&h, buf, sizeof(h));
     check_reply_status(h, owner);
     bool with_fds = h.flags & kHasFds, with_blobs = h.flags & kHasBlobs;
     size_t want = sizeof(h) + h.count * (8 + (with_blobs ? 64 : 0));
     if (h.count > kBatch || h.first != out.size() || n != want || (with_fds && fds.size() != h.count) ||
         (!with_fds && !fds.empty()) || (total != 0 && h.total != total) || h.first + h.count > h.total)
-      throw malformed_reply(owner, "a message does not match its header (at item " +
-                                       std::to_string(out.size()) + ")");
+      throw malformed_reply(owner, "a message does not match its header (at item " + std::to_string(out.size()) + ")");
     total = h.total;
     for (uint32_t i = 0; i < h.count; ++i) {
       ReceivedItem item;
@@ -621,15 +614,15 @@ void fd_unpublish(uint64_t id) noexcept {
 // socket otherwise. The pidfd path trusts those numbers: the consumer holds a
 // lease on the export before fetching, and the producer keeps the fds open
 // while the export lives, so the numbers cannot have been reused.
-std::vector<ReceivedItem> fd_fetch(const ProcessId& owner, uint64_t id,
-                                   const std::vector<int>& remote_fds, FdTransport mode) {
+std::vector<ReceivedItem> fd_fetch(const ProcessId& owner, uint64_t id, const std::vector<int>& remote_fds,
+                                   FdTransport mode) {
   RefusedOwners& refused = *process_state<RefusedOwners>();
   auto key = std::make_pair(owner.pid, owner.start_time);
   std::vector<ReceivedItem> out;
   if (mode == FdTransport::Pidfd) {
     TORCH_IPC_CHECK(!remote_fds.empty(),
-                "torch_ipc: TORCH_IPC_FD_TRANSPORT=pidfd, but this descriptor does not carry the "
-                "producer's fd numbers (its allocation has too many or unequal chunks); use auto");
+                    "torch_ipc: TORCH_IPC_FD_TRANSPORT=pidfd, but this descriptor does not carry the "
+                    "producer's fd numbers (its allocation has too many or unequal chunks); use auto");
     fetch_pidfd(owner, remote_fds, true, out);
     ++via_pidfd;
     return out;

@@ -68,8 +68,7 @@ void fd_unpublish(uint64_t id) noexcept;
 // OsError for every other refusal: the failing call's errno, the errno the
 // owner refused with (EACCES: another uid), or EPROTO for a peer that breaks
 // the protocol (a reply that does not parse, a socket served by another pid).
-std::vector<ReceivedItem> fd_fetch(const ProcessId& owner, uint64_t id,
-                                   const std::vector<int>& remote_fds,
+std::vector<ReceivedItem> fd_fetch(const ProcessId& owner, uint64_t id, const std::vector<int>& remote_fds,
                                    FdTransport mode = fd_transport_from_env());
 
 // At exit: remove the fd server's socket at a path (Note [fd server at a

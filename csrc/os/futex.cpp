@@ -1,16 +1,15 @@
 #include "os/futex.h"
 
+#include <climits>
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
-#include <climits>
-
 namespace torch_ipc {
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ns) {
-  struct timespec limit {};
+  struct timespec limit{};
   struct timespec* limit_ptr = nullptr;
   if (timeout_ns >= 0) {
     limit.tv_sec = timeout_ns / 1000000000;

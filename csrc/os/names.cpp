@@ -1,11 +1,10 @@
 #include "os/names.h"
 
-#include <sys/random.h>
-
 #include <cerrno>
 #include <cstdio>
 #include <deque>
 #include <mutex>
+#include <sys/random.h>
 
 #include "base/errors.h"
 
@@ -94,9 +93,7 @@ std::string host_segment_name(const ProcessId& owner, uint32_t anchor, uint64_t 
          hex(random & ((uint64_t{1} << (4 * kHostRandomDigits)) - 1), kHostRandomDigits);
 }
 
-std::string fd_socket_name(const ProcessId& owner, uint32_t tag) {
-  return prefix(owner) + hex(tag, 8) + ".fd";
-}
+std::string fd_socket_name(const ProcessId& owner, uint32_t tag) { return prefix(owner) + hex(tag, 8) + ".fd"; }
 
 std::string life_file_name(uint32_t key) { return "/torch_ipc.life." + hex(key, 8); }
 
@@ -140,8 +137,8 @@ std::optional<SharedFileName> parse_shared_file_name(std::string_view name) {
 }
 
 void throw_names_taken(const std::string& what) {
-  throw OsError(EEXIST, "torch_ipc: " + std::to_string(kNameAttempts) + " random names for " +
-                            what + " in a row were taken already (is another process filling "
+  throw OsError(EEXIST, "torch_ipc: " + std::to_string(kNameAttempts) + " random names for " + what +
+                            " in a row were taken already (is another process filling "
                             "/dev/shm or the abstract socket namespace with torch_ipc names?)");
 }
 

@@ -2,12 +2,12 @@
 // process still lives, and whether a descriptor comes from this machine's boot.
 #pragma once
 
-#include <unistd.h>
-
 #include <cstddef>
 #include <string>
+#include <unistd.h>
 
 #include "base/ids.h"
+
 #include "os/life.h"
 
 namespace torch_ipc {

@@ -12,8 +12,9 @@
 #include <c10/util/Exception.h>
 
 #include "base/errors.h"
-#include "os/names.h"
 #include "base/fork.h"
+
+#include "os/names.h"
 #include "os/process.h"
 #include "os/shm.h"
 #include "os/sweep.h"
@@ -25,7 +26,7 @@ struct alignas(128) Slot {
   std::atomic<uint64_t> generation;
   std::atomic<uint32_t> tokens;
   std::atomic<uint32_t> flags;  // kLoadsForbidden
-  
+
   std::atomic<uint64_t> holders[kHoldersPerSlot];
 };
 // Note [revoked exports]
@@ -37,9 +38,7 @@ struct alignas(128) Slot {
 // export: a load that comes late then says that the export was revoked, not
 // that its consumers released it.
 constexpr uint32_t kLoadsForbidden = 1;
-uint32_t revoked_flags(uint64_t generation) {
-  return kLoadsForbidden | (static_cast<uint32_t>(generation) << 1);
-}
+uint32_t revoked_flags(uint64_t generation) { return kLoadsForbidden | (static_cast<uint32_t>(generation) << 1); }
 static_assert(sizeof(Slot) == 128, "slot layout is part of the protocol");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need address-free atomics");
 
@@ -131,8 +130,7 @@ class Leases {
       const std::string name = lease_segment_name(lease.owner, lease.segment);
       auto mapping = ShmMapping::open(name, kSegmentBytes, lease.owner);
       if (!mapping) {
-        if (!process_alive(lease.owner))
-          throw producer_gone(lease.owner.pid, "its lease segment is gone");
+        if (!process_alive(lease.owner)) throw producer_gone(lease.owner.pid, "its lease segment is gone");
         // A living producer unlinks its segments only as it exits.
         throw Released("torch_ipc: the producer (pid " + std::to_string(lease.owner.pid) +
                        ") no longer shares lease segment " + name +
@@ -184,9 +182,7 @@ class Leases {
   }
 
  private:
-  static Slot* slot_in(ShmMapping* m, uint32_t index) {
-    return static_cast<Slot*>(m->data()) + index;
-  }
+  static Slot* slot_in(ShmMapping* m, uint32_t index) { return static_cast<Slot*>(m->data()) + index; }
 
   // Each segment has a random id (Note [names]) and is an anchor (Note [sweep]).
   void grow() {
@@ -195,8 +191,8 @@ class Leases {
     auto mapping = create_under_random_name("a lease segment", [&](uint64_t r) {
       segment = static_cast<uint32_t>(r);
       return own_.count(segment) ? nullptr
-                                 : ShmMapping::create(lease_segment_name(self_process(), segment),
-                                                      kSegmentBytes, self_process(), /*anchor=*/true);
+                                 : ShmMapping::create(lease_segment_name(self_process(), segment), kSegmentBytes,
+                                                      self_process(), /*anchor=*/true);
     });
     for (uint32_t i = kSlotsPerSegment; i-- > 0;) free_.emplace_back(segment, i);
     if (own_.empty()) anchor_ = segment;
@@ -277,13 +273,12 @@ bool has_living_holder(Slot* s) {
 }
 
 [[noreturn]] void throw_revoked(const LeaseRecord& lease) {
-  throw Released("torch_ipc: this export was revoked by its producer (pid " +
-                 std::to_string(lease.owner.pid) + "): it can no longer be loaded");
+  throw Released("torch_ipc: this export was revoked by its producer (pid " + std::to_string(lease.owner.pid) +
+                 "): it can no longer be loaded");
 }
 
 [[noreturn]] void throw_released_by_consumers(const LeaseRecord& lease) {
-  throw Released("torch_ipc: this export was already released by its producer (pid " +
-                 std::to_string(lease.owner.pid) +
+  throw Released("torch_ipc: this export was already released by its producer (pid " + std::to_string(lease.owner.pid) +
                  "): every consumer it was sent to has loaded and released it. "
                  "Pass consumers=N to dumps() to share one descriptor with N loads, or "
                  "consumers=None for any number of loads while the producer keeps the tensors.");
@@ -331,7 +326,7 @@ LeaseRecord lease_acquire(uint32_t tokens) { return Leases::get().acquire(tokens
 bool lease_try_reclaim(const LeaseRecord& lease) {
   Slot* s = Leases::get().slot(lease);
   if (s->generation.load() != lease.generation) return false;  // reclaimed already
-  const bool living = has_living_holder(s);  // clears dead words, tokens left or not
+  const bool living = has_living_holder(s);                    // clears dead words, tokens left or not
   if (s->tokens.load() != 0 || living) return false;
   uint64_t expected = lease.generation;
   if (!s->generation.compare_exchange_strong(expected, 0)) return false;

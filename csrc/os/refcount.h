@@ -39,7 +39,7 @@ constexpr uint32_t kSlotsPerSegment = 4096;
 
 struct LeaseCounts {
   uint32_t tokens = 0;
-  uint32_t holders = 0;       // processes holding, dead ones included
+  uint32_t holders = 0;  // processes holding, dead ones included
   uint32_t dead_holders = 0;
 };
 

@@ -1,15 +1,15 @@
 #include "os/ring.h"
 
-#include <sched.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <sched.h>
+#include <unistd.h>
 
 #include "base/errors.h"
+
 #include "os/futex.h"
 
 namespace torch_ipc {
@@ -144,18 +144,13 @@ void wake_if_sleeping(std::atomic<uint32_t>* sleeps) {
 }  // namespace
 
 int64_t steady_now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
 
-int64_t ring_spin_ns() {
-  return g_spin_ns.load(std::memory_order_relaxed);
-}
+int64_t ring_spin_ns() { return g_spin_ns.load(std::memory_order_relaxed); }
 
-void set_wait_interrupt_check(InterruptCheck check) {
-  g_interrupt_check.store(check, std::memory_order_relaxed);
-}
+void set_wait_interrupt_check(InterruptCheck check) { g_interrupt_check.store(check, std::memory_order_relaxed); }
 
 void set_ring_spin_ns(int64_t ns) {
   TORCH_IPC_CHECK_VALUE(ns >= 0 && ns <= 1'000'000'000, "torch_ipc: a spin budget is 0 .. 1 s, not ", ns, " ns");
@@ -204,9 +199,7 @@ void empty(int bell_fd) {
 
 }  // namespace
 
-void RingWriter::ring_bell() {
-  ring(bell_fd_);
-}
+void RingWriter::ring_bell() { ring(bell_fd_); }
 
 WaitEnd RingWriter::send(const void* payload, size_t size, const WaitContext& ctx, uint64_t* written) {
   // Note [fd wake-ups] in channel.cpp: count the message, then look at the flag.

@@ -1,14 +1,13 @@
 #include "os/ring_segment.h"
 
+#include <cerrno>
+#include <cstring>
 #include <fcntl.h>
+#include <new>
+#include <string>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-#include <cerrno>
-#include <cstring>
-#include <new>
-#include <string>
 
 #include "base/errors.h"
 
@@ -47,9 +46,7 @@ namespace torch_ipc {
 // select that wakes for nothing, or later): what it could do anyway by
 // sending or not sending, never a hang.
 
-size_t channel_segment_bytes(uint32_t ring_bytes) {
-  return kChannelHeaderBytes + 2 * size_t(ring_bytes);
-}
+size_t channel_segment_bytes(uint32_t ring_bytes) { return kChannelHeaderBytes + 2 * size_t(ring_bytes); }
 
 namespace {
 
@@ -58,8 +55,7 @@ constexpr int kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 void check_ring_bytes(uint32_t ring_bytes) {
   bool power_of_two = ring_bytes != 0 && (ring_bytes & (ring_bytes - 1)) == 0;
   TORCH_IPC_CHECK_VALUE(power_of_two && ring_bytes >= kMinRingBytes && ring_bytes <= kMaxRingBytes,
-                        "torch_ipc: a channel ring is a power of two from 4 KiB to 1 GiB, not ", ring_bytes,
-                        " bytes");
+                        "torch_ipc: a channel ring is a power of two from 4 KiB to 1 GiB, not ", ring_bytes, " bytes");
 }
 
 [[noreturn]] void refuse(const std::string& why) {
@@ -80,12 +76,13 @@ void check_channel_memory(int fd, uint32_t ring_bytes, const std::function<void(
   int seals = fcntl(fd, F_GET_SEALS);  // first: Note [channel segment trust]
   if (seals < 0 || (seals & kSeals) != kSeals) refuse("its size is not sealed");
   if (between_reads) between_reads();
-  struct stat st {};
+  struct stat st{};
   if (fstat(fd, &st) != 0) throw_os_error("fstat", "the channel segment");
   if (!S_ISREG(st.st_mode)) refuse("not a memory file");
   if (st.st_uid != geteuid()) refuse(str("owned by uid ", st.st_uid, ", not ", geteuid()));
-  if ((st.st_mode & 07777) != 0600) refuse(str("mode ", st.st_mode & 07777, " (octal ", (st.st_mode >> 6) & 7,
-                                               (st.st_mode >> 3) & 7, st.st_mode & 7, "), not 0600"));
+  if ((st.st_mode & 07777) != 0600)
+    refuse(str("mode ", st.st_mode & 07777, " (octal ", (st.st_mode >> 6) & 7, (st.st_mode >> 3) & 7, st.st_mode & 7,
+               "), not 0600"));
   if (size_t(st.st_size) != size) refuse(str(st.st_size, " bytes, not ", size));
 }
 
@@ -139,8 +136,6 @@ std::unique_ptr<ChannelSegment> ChannelSegment::map(int memory_fd, uint32_t ring
   return segment;
 }
 
-ChannelSegment::~ChannelSegment() {
-  munmap(base_, channel_segment_bytes(ring_bytes_));
-}
+ChannelSegment::~ChannelSegment() { munmap(base_, channel_segment_bytes(ring_bytes_)); }
 
 }  // namespace torch_ipc

@@ -19,12 +19,12 @@ namespace torch_ipc {
 // One direction's indices and wait words, each written by one side, each on a
 // cache line of its own so that the producer and the consumer never share one.
 struct RingControl {
-  alignas(64) std::atomic<uint64_t> head;      // bytes published by the producer, ever
-  std::atomic<uint64_t> messages_begun;        // messages the producer began (Note [fd wake-ups])
-  std::atomic<int32_t> writer_pid;             // the process that sends on it (Note [one process per end])
-  alignas(64) std::atomic<uint64_t> tail;      // bytes taken by the consumer, ever
-  std::atomic<uint64_t> messages_read;         // messages the consumer finished
-  std::atomic<int32_t> reader_pid;             // the process that receives from it
+  alignas(64) std::atomic<uint64_t> head;           // bytes published by the producer, ever
+  std::atomic<uint64_t> messages_begun;             // messages the producer began (Note [fd wake-ups])
+  std::atomic<int32_t> writer_pid;                  // the process that sends on it (Note [one process per end])
+  alignas(64) std::atomic<uint64_t> tail;           // bytes taken by the consumer, ever
+  std::atomic<uint64_t> messages_read;              // messages the consumer finished
+  std::atomic<int32_t> reader_pid;                  // the process that receives from it
   alignas(64) std::atomic<uint32_t> reader_sleeps;  // futex word: 1 while the consumer sleeps
   alignas(64) std::atomic<uint32_t> writer_sleeps;  // futex word: 1 while the producer waits for room
   alignas(64) std::atomic<uint32_t> fd_wakeups;     // 1: the consumer wants its eventfd rung

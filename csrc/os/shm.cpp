@@ -1,14 +1,13 @@
 #include "os/shm.h"
 
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
-
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
 
 #include <c10/util/Exception.h>
 
@@ -35,8 +34,7 @@ std::string shm_space() {
 OsError reserve_error(int err, const std::string& name, size_t size) {
   std::string hint;
   if (err == ENOSPC)
-    hint = "(" + shm_space() +
-           "; make it larger, e.g. docker run --shm-size=8g, or a bigger tmpfs on /dev/shm)";
+    hint = "(" + shm_space() + "; make it larger, e.g. docker run --shm-size=8g, or a bigger tmpfs on /dev/shm)";
   else if (err == EFBIG)
     hint = "(larger than this process's file size limit, RLIMIT_FSIZE: ulimit -f)";
   return os_error(err, "reserving", std::to_string(size) + " bytes of /dev/shm for " + name, hint);
@@ -56,7 +54,7 @@ int reserve(int fd, size_t size) {
 
 // An OFD lock on the whole file, held while the file description is open.
 int lock_whole_file(int fd) {
-  struct flock lock {};
+  struct flock lock{};
   lock.l_type = F_WRLCK;
   lock.l_whence = SEEK_SET;
   return fcntl(fd, F_OFD_SETLK, &lock) == 0 ? 0 : errno;
@@ -81,8 +79,7 @@ void write_identity(void* page, const ProcessId& creator) {
 // Why the file of `st` cannot be one this process's uid made for sharing, or "".
 std::string foreign_file(const struct stat& st) {
   if (!S_ISREG(st.st_mode)) return "it is not a regular file";
-  if (st.st_uid != geteuid())
-    return str("it is owned by uid ", st.st_uid, ", not by this process's uid ", geteuid());
+  if (st.st_uid != geteuid()) return str("it is owned by uid ", st.st_uid, ", not by this process's uid ", geteuid());
   if ((st.st_mode & 07777) != 0600) {
     char mode[8];
     std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
@@ -109,8 +106,8 @@ Released not_the_creators(const std::string& name, const ProcessId& creator, con
 
 }  // namespace
 
-std::unique_ptr<ShmMapping> ShmMapping::create(const std::string& name, size_t size,
-                                              const ProcessId& creator, bool anchor) {
+std::unique_ptr<ShmMapping> ShmMapping::create(const std::string& name, size_t size, const ProcessId& creator,
+                                               bool anchor) {
   int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) {
     if (errno == EEXIST) return nullptr;
@@ -139,8 +136,7 @@ std::unique_ptr<ShmMapping> ShmMapping::create(const std::string& name, size_t s
   return std::unique_ptr<ShmMapping>(new ShmMapping(name, p, mapped, true, fd));
 }
 
-std::unique_ptr<ShmMapping> ShmMapping::open(const std::string& name, size_t min_size,
-                                            const ProcessId& creator) {
+std::unique_ptr<ShmMapping> ShmMapping::open(const std::string& name, size_t min_size, const ProcessId& creator) {
   int fd = shm_open(name.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0);
   if (fd < 0) {
     if (errno == ENOENT) return nullptr;
@@ -158,8 +154,7 @@ std::unique_ptr<ShmMapping> ShmMapping::open(const std::string& name, size_t min
     close(fd);
     throw not_the_creators(name, creator, foreign);
   }
-  if (static_cast<size_t>(st.st_size) < kIdentityBytes ||
-      static_cast<size_t>(st.st_size) - kIdentityBytes < min_size) {
+  if (static_cast<size_t>(st.st_size) < kIdentityBytes || static_cast<size_t>(st.st_size) - kIdentityBytes < min_size) {
     close(fd);
     // The object is there but smaller than the caller was told: the claim is
     // wrong, not the system (mapping it would SIGBUS past its end).
@@ -206,8 +201,7 @@ void ShmMapping::disown() {
 
 ShmMapping::~ShmMapping() {
   unlink();  // before the lock goes: a sweeper never sees this file unlocked
-  if (munmap(base_, mapped_) != 0)
-    TORCH_WARN("torch_ipc: munmap(", name_, ") failed: ", std::strerror(errno));
+  if (munmap(base_, mapped_) != 0) TORCH_WARN("torch_ipc: munmap(", name_, ") failed: ", std::strerror(errno));
   if (lock_fd_ >= 0) close(lock_fd_);
 }
 

@@ -35,15 +35,14 @@ class ShmMapping {
   // for as long as it lives: the proof that its owner lives (Note [sweep]).
   // `creator` (this process) is written into its identity page (Note
   // [segment identity]).
-  static std::unique_ptr<ShmMapping> create(const std::string& name, size_t size,
-                                            const ProcessId& creator, bool anchor = false);
+  static std::unique_ptr<ShmMapping> create(const std::string& name, size_t size, const ProcessId& creator,
+                                            bool anchor = false);
   // Open an existing object made by `creator`; at least `min_size` bytes must
   // be there. Returns nullptr when no object has that name (its owner
   // unlinked it); throws Released when the file is not `creator`'s (Note
   // [segment identity]), DescriptorError when it is smaller (the size came
   // from a descriptor), and OsError when a call fails (EACCES, EMFILE, ...).
-  static std::unique_ptr<ShmMapping> open(const std::string& name, size_t min_size,
-                                          const ProcessId& creator);
+  static std::unique_ptr<ShmMapping> open(const std::string& name, size_t min_size, const ProcessId& creator);
   // Bytes before data() in every segment: the identity page.
   static constexpr size_t kIdentityBytes = 4096;
   ~ShmMapping();

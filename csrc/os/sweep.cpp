@@ -1,17 +1,16 @@
 #include "os/sweep.h"
 
-#include <dirent.h>
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <cerrno>
 #include <ctime>
+#include <dirent.h>
+#include <fcntl.h>
 #include <map>
 #include <memory>
 #include <string>
+#include <sys/stat.h>
 #include <tuple>
+#include <unistd.h>
 #include <vector>
 
 #include "os/names.h"
@@ -20,12 +19,11 @@ namespace torch_ipc {
 namespace {
 
 constexpr time_t kCreatingSeconds = 60;  // an anchor without bytes is being created
-std::atomic<int64_t> swept{0};  // files this process's sweeps removed
+std::atomic<int64_t> swept{0};           // files this process's sweeps removed
 
 bool owned_regular_file(int dir, const std::string& name) {
   struct stat st;
-  return fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
-         st.st_uid == geteuid();
+  return fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid();
 }
 
 }  // namespace
@@ -57,7 +55,7 @@ Anchor judge_open_anchor(int fd) {
   } else if (st.st_size == 0) {
     verdict = std::time(nullptr) - st.st_mtime < kCreatingSeconds ? Anchor::Alive : Anchor::Dead;
   } else {
-    struct flock probe {};
+    struct flock probe{};
     probe.l_type = F_WRLCK;
     probe.l_whence = SEEK_SET;
     if (fcntl(fd, F_OFD_GETLK, &probe) != 0)

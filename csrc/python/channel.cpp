@@ -1,14 +1,16 @@
 // One end of a shared-memory channel (os/channel.h); torch_ipc/mp/_ring.py is
 // its Python face. Every call that may wait releases the GIL.
+#include "os/channel.h"
+
+#include <cerrno>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <cerrno>
-
 #include "base/errors.h"
-#include "os/channel.h"
+
 #include "os/ring.h"
 #include "os/ring_segment.h"
+
 #include "python/bindings.h"
 
 namespace torch_ipc::python {
@@ -124,40 +126,55 @@ void bind_channel(py::module_& m) {
       .def("send_bytes", &send_bytes, py::arg("data"))
       .def("send_bytes_within", &send_bytes_within, py::arg("data"), py::arg("timeout"))
       .def("recv_bytes", &recv_bytes, py::arg("max_length") = -1)
-      .def("poll", [](Channel& c, const py::object& timeout) {
-        int64_t ns = timeout_ns(timeout);
-        return interruptible([&] {
-          py::gil_scoped_release no_gil;
-          return c.poll(ns);
-        });
-      }, py::arg("timeout"))
+      .def(
+          "poll",
+          [](Channel& c, const py::object& timeout) {
+            int64_t ns = timeout_ns(timeout);
+            return interruptible([&] {
+              py::gil_scoped_release no_gil;
+              return c.poll(ns);
+            });
+          },
+          py::arg("timeout"))
       .def("fileno", &Channel::wait_fd, ReleaseGil())
       .def("close", &Channel::close, ReleaseGil())
       .def_property_readonly("closed", &Channel::closed)
       .def_property_readonly("side", &Channel::side)
       .def_property_readonly("ring_bytes", &Channel::ring_bytes)
-      .def("fds", [](const Channel& c) {
-        TORCH_IPC_CHECK(!c.closed(), "torch_ipc: the connection is closed");
-        return py::make_tuple(c.memory_fd(), c.socket_fd(), c.bell_fd(0), c.bell_fd(1));
-      }, "(memory, socket, bell0, bell1): the channel's own fds, to duplicate for a child")
+      .def(
+          "fds",
+          [](const Channel& c) {
+            TORCH_IPC_CHECK(!c.closed(), "torch_ipc: the connection is closed");
+            return py::make_tuple(c.memory_fd(), c.socket_fd(), c.bell_fd(0), c.bell_fd(1));
+          },
+          "(memory, socket, bell0, bell1): the channel's own fds, to duplicate for a child")
       .def("after_fork", &Channel::after_fork);
-  m.def("channel_segment", [](uint32_t ring_bytes) {
-    ChannelFds fds = ChannelSegment::create(ring_bytes);
-    return py::make_tuple(fds.memory.release(), fds.bell[0].release(), fds.bell[1].release());
-  }, py::arg("ring_bytes"), "a new channel segment: (memory fd, bell0 fd, bell1 fd), the caller's to close");
+  m.def(
+      "channel_segment",
+      [](uint32_t ring_bytes) {
+        ChannelFds fds = ChannelSegment::create(ring_bytes);
+        return py::make_tuple(fds.memory.release(), fds.bell[0].release(), fds.bell[1].release());
+      },
+      py::arg("ring_bytes"), "a new channel segment: (memory fd, bell0 fd, bell1 fd), the caller's to close");
   set_wait_interrupt_check(&python_signal_raised);
-  m.def("check_channel_memory", [](int fd, uint32_t ring_bytes, const py::object& between_reads) {
-    if (between_reads.is_none()) return check_channel_memory(fd, ring_bytes);
-    check_channel_memory(fd, ring_bytes, [&] { between_reads(); });
-  }, py::arg("fd"), py::arg("ring_bytes"), py::arg("between_reads") = py::none(),
-        "the checks of a received segment's memory fd; `between_reads()` runs between the seal and size reads "
-        "(for tests: a peer acting there)");
+  m.def(
+      "check_channel_memory",
+      [](int fd, uint32_t ring_bytes, const py::object& between_reads) {
+        if (between_reads.is_none()) return check_channel_memory(fd, ring_bytes);
+        check_channel_memory(fd, ring_bytes, [&] { between_reads(); });
+      },
+      py::arg("fd"), py::arg("ring_bytes"), py::arg("between_reads") = py::none(),
+      "the checks of a received segment's memory fd; `between_reads()` runs between the seal and size reads "
+      "(for tests: a peer acting there)");
   m.def("channel_spin_ns", &ring_spin_ns);
   m.def("set_channel_spin_ns", &set_ring_spin_ns, py::arg("ns"));
-  m.def("channel_ring_offsets", [](int ring) {
-    TORCH_IPC_CHECK_INDEX(ring == 0 || ring == 1, "torch_ipc: ring 0 or 1");
-    return py::make_tuple(ring_head_offset(ring), ring_tail_offset(ring));
-  }, py::arg("ring"), "(head, tail): byte offsets in the segment, for tests that write over them");
+  m.def(
+      "channel_ring_offsets",
+      [](int ring) {
+        TORCH_IPC_CHECK_INDEX(ring == 0 || ring == 1, "torch_ipc: ring 0 or 1");
+        return py::make_tuple(ring_head_offset(ring), ring_tail_offset(ring));
+      },
+      py::arg("ring"), "(head, tail): byte offsets in the segment, for tests that write over them");
 }
 
 }  // namespace torch_ipc::python

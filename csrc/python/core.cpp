@@ -1,14 +1,17 @@
 // The core's Python face: export, load, describe, collect, shutdown, sweep, stats.
+#include <algorithm>
+
 #include <pybind11/stl.h>
 
-#include <algorithm>
+#include "wire/descriptor.h"
+
+#include "cuda/cuda_driver.h"
 
 #include "core/export.h"
 #include "core/import.h"
 #include "core/maintenance.h"
 #include "core/stats.h"
-#include "cuda/cuda_driver.h"
-#include "wire/descriptor.h"
+
 #include "python/bindings.h"
 
 namespace torch_ipc::python {
@@ -132,12 +135,12 @@ void bind_core(py::module_& m) {
            "revoke(), and refuse every load from now on (torch_ipc.Export.revoke)");
   m.def(
       "export_tensors",
-      [](const py::list& tensors, const std::vector<bool>& is_parameter, const std::string& payload,
-         uint32_t consumers, bool while_referenced) {
+      [](const py::list& tensors, const std::vector<bool>& is_parameter, const std::string& payload, uint32_t consumers,
+         bool while_referenced) {
         return export_tensors(tensor_refs(tensors), is_parameter, payload, consumers, while_referenced);
       },
-      py::arg("tensors"), py::arg("is_parameter"),
-        py::arg("payload"), py::arg("consumers") = 1, py::arg("while_referenced") = false);
+      py::arg("tensors"), py::arg("is_parameter"), py::arg("payload"), py::arg("consumers") = 1,
+      py::arg("while_referenced") = false);
   // Note [one shareability rule] in core/export.cpp: one tensor, or all of a list.
   m.def("shared_natively", &shared_natively, py::arg("tensor"));
   m.def(
@@ -174,8 +177,8 @@ void bind_core(py::module_& m) {
           py::gil_scoped_release release;
           r = import_tensors(bytes, hook);
         }
-        return py::make_tuple(tensor_list(std::move(r.tensors)), parameter_flags(r.is_parameter),
-                              py::bytes(r.payload), r.pending);
+        return py::make_tuple(tensor_list(std::move(r.tensors)), parameter_flags(r.is_parameter), py::bytes(r.payload),
+                              r.pending);
       },
       py::arg("data"), py::arg("before_cuda") = py::none(),
       "Decode and import a descriptor in one call: DescriptorError for malformed bytes first, then "

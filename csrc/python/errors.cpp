@@ -1,6 +1,7 @@
 // The C++ exception types of base/errors.h, raised in Python as the classes of
 // torch_ipc/errors.py (and builtins where they are the right ones).
 #include "base/errors.h"
+
 #include "python/bindings.h"
 
 namespace torch_ipc::python {
@@ -11,9 +12,7 @@ py::object error_class(const char* name) {
   return errors->attr(name);
 }
 
-void raise(const char* cls, const std::string& what) {
-  PyErr_SetString(error_class(cls).ptr(), what.c_str());
-}
+void raise(const char* cls, const std::string& what) { PyErr_SetString(error_class(cls).ptr(), what.c_str()); }
 
 void translate(std::exception_ptr p) {
   try {
@@ -37,8 +36,8 @@ void translate(std::exception_ptr p) {
   } catch (const PoolCorrupted& e) {
     raise("PoolCorruptedError", e.what());
   } catch (const OsError& e) {
-    py::object exc = py::reinterpret_steal<py::object>(
-        PyObject_CallFunction(PyExc_OSError, "is", e.error_number, e.what()));
+    py::object exc =
+        py::reinterpret_steal<py::object>(PyObject_CallFunction(PyExc_OSError, "is", e.error_number, e.what()));
     if (exc) PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   } catch (const InvalidValue& e) {
     PyErr_SetString(PyExc_ValueError, e.what());

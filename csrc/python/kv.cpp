@@ -1,7 +1,10 @@
 // The KV pool's block ownership (features/kv/block_allocator.h); torch_ipc/kv is its Python face.
 #include "base/errors.h"
-#include "features/kv/block_allocator.h"
+
 #include "os/process.h"
+
+#include "features/kv/block_allocator.h"
+
 #include "python/bindings.h"
 
 namespace torch_ipc::python {
@@ -118,7 +121,8 @@ void bind_kv(py::module_& m) {
       .def("field_offsets",
            [](const Allocator& a) {
              py::dict out;  // tests only: name -> (offset in the segment's file, bytes)
-             for (const auto& [name, where] : a.field_offsets()) out[py::str(name)] = py::make_tuple(where.first, where.second);
+             for (const auto& [name, where] : a.field_offsets())
+               out[py::str(name)] = py::make_tuple(where.first, where.second);
              return out;
            })
       .def("detach", &Allocator::detach, ReleaseGil())

@@ -1,5 +1,6 @@
 // torch_ipc._C: each feature binds itself (bindings.h).
 #include "base/fork.h"
+
 #include "python/bindings.h"
 
 PYBIND11_MODULE(_C, m) {

@@ -2,7 +2,9 @@
 // "is that process still running" of torch_ipc, pid AND start time, so a pid
 // that was recycled never passes for the process that had it.
 #include "os/process.h"
+
 #include "os/socket_dir.h"
+
 #include "python/bindings.h"
 
 namespace torch_ipc::python {

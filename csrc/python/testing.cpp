@@ -3,14 +3,19 @@
 #include <cstring>
 
 #include "base/errors.h"
-#include "features/kv/block_allocator.h"
-#include "memory/shared_pool.h"
+
+#include "wire/descriptor.h"
+#include "wire/vmm_handle.h"
+
 #include "os/fd_passing.h"
 #include "os/names.h"
 #include "os/process.h"
+
+#include "memory/shared_pool.h"
+
+#include "features/kv/block_allocator.h"
+
 #include "python/bindings.h"
-#include "wire/descriptor.h"
-#include "wire/vmm_handle.h"
 
 namespace torch_ipc::python {
 namespace {
@@ -32,9 +37,9 @@ void bind_fd_testing(py::module_& testing) {
   testing.def("fd_unpublish", [](uint64_t id) { fd_unpublish(id); });
   testing.def(
       "fd_fetch",
-      [](uint32_t pid, uint64_t start_time, uint64_t id, const std::vector<int>& remote_fds,
-         const std::string& mode, uint32_t life, uint32_t pidns) {
-        FdTransport t = mode.empty() ? fd_transport_from_env()
+      [](uint32_t pid, uint64_t start_time, uint64_t id, const std::vector<int>& remote_fds, const std::string& mode,
+         uint32_t life, uint32_t pidns) {
+        FdTransport t = mode.empty()       ? fd_transport_from_env()
                         : mode == "socket" ? FdTransport::Socket
                         : mode == "pidfd"  ? FdTransport::Pidfd
                                            : FdTransport::Auto;
@@ -47,8 +52,8 @@ void bind_fd_testing(py::module_& testing) {
         for (auto& item : items) out.append(py::make_tuple(item.fd.release(), item.size));
         return out;
       },
-      py::arg("pid"), py::arg("start_time"), py::arg("id"), py::arg("remote_fds"),
-      py::arg("mode") = "", py::arg("life") = 0, py::arg("pidns") = 0);
+      py::arg("pid"), py::arg("start_time"), py::arg("id"), py::arg("remote_fds"), py::arg("mode") = "",
+      py::arg("life") = 0, py::arg("pidns") = 0);
   // The fd server's socket at a path (Note [fd server at a path]), or "".
   testing.def("fd_server_path", &fd_server_path);
 }
@@ -79,18 +84,18 @@ void bind_testing(py::module_& m) {
         Handle64 h = encode_vmm_handle(f);
         return py::bytes(reinterpret_cast<const char*>(h.data()), h.size());
       },
-      py::kw_only(), py::arg("type"), py::arg("n_chunks"), py::arg("id"), py::arg("chunk_bytes"),
-      py::arg("pid"), py::arg("fds") = std::vector<int32_t>{});
+      py::kw_only(), py::arg("type"), py::arg("n_chunks"), py::arg("id"), py::arg("chunk_bytes"), py::arg("pid"),
+      py::arg("fds") = std::vector<int32_t>{});
   testing.def(
       "vmm_handle_decode",
       [](const py::bytes& data, const py::object& alloc_size) {
         std::string_view view = data;
         TORCH_IPC_CHECK_VALUE(view.size() == sizeof(Handle64), "torch_ipc: a VMM handle field is 64 bytes, not ",
-                          view.size());
+                              view.size());
         Handle64 h;
         std::memcpy(h.data(), view.data(), h.size());
-        VmmHandleField f = alloc_size.is_none() ? decode_vmm_handle(h)
-                                                 : decode_vmm_handle(h, alloc_size.cast<uint64_t>());
+        VmmHandleField f =
+            alloc_size.is_none() ? decode_vmm_handle(h) : decode_vmm_handle(h, alloc_size.cast<uint64_t>());
         py::dict out;
         out["version"] = kVmmHandleVersion;
         out["type"] = f.type;

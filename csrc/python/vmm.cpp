@@ -1,5 +1,6 @@
 // SharedPool memory (memory/shared_pool.h); torch_ipc/pool.py is its Python face.
 #include "memory/shared_pool.h"
+
 #include "python/bindings.h"
 
 namespace torch_ipc::python {
@@ -17,9 +18,8 @@ void bind_vmm(py::module_& m) {
         return vmm_granularity(device, static_cast<CUmemAllocationHandleType>(handle_type));
       },
       py::arg("device"), py::arg("handle_type") = 1);
-  m.def("vmm_is_pool_tensor", [](const at::Tensor& t) {
-    return t.defined() && t.is_cuda() && vmm_is_pool_storage(t.storage());
-  });
+  m.def("vmm_is_pool_tensor",
+        [](const at::Tensor& t) { return t.defined() && t.is_cuda() && vmm_is_pool_storage(t.storage()); });
 }
 
 }  // namespace torch_ipc::python

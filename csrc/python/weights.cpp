@@ -1,5 +1,6 @@
 // The weights feature's C++ parts (features/weights); torch_ipc/weights is its Python face.
 #include "features/weights/shared_counters.h"
+
 #include "python/bindings.h"
 
 namespace torch_ipc::python {

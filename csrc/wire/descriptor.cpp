@@ -1,17 +1,16 @@
 #include "wire/descriptor.h"
 
-#include <c10/core/ScalarType.h>
-
 #include <cstring>
 #include <limits>
+
+#include <c10/core/ScalarType.h>
 
 #include "base/errors.h"
 
 namespace torch_ipc {
 namespace {
 
-static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
-              "the descriptor is little-endian and written with memcpy");
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the descriptor is little-endian and written with memcpy");
 
 constexpr size_t kHeaderBytes = 80;
 constexpr size_t kChecksumOffset = 72;
@@ -70,9 +69,8 @@ class Reader {
  private:
   void need(size_t n, const char* what) {
     if (n > n_ - pos_)
-      throw DescriptorError("torch_ipc descriptor is truncated: " + std::string(what) + " needs " +
-                            std::to_string(n) + " bytes at offset " + std::to_string(pos_) +
-                            ", " + std::to_string(n_ - pos_) + " left");
+      throw DescriptorError("torch_ipc descriptor is truncated: " + std::string(what) + " needs " + std::to_string(n) +
+                            " bytes at offset " + std::to_string(pos_) + ", " + std::to_string(n_ - pos_) + " left");
   }
   const uint8_t* p_;
   size_t n_;
@@ -100,14 +98,12 @@ uint64_t checksum(const uint8_t* p, size_t n) {
   return h;
 }
 
-[[noreturn]] void bad(const std::string& why) {
-  throw DescriptorError("malformed torch_ipc descriptor: " + why);
-}
+[[noreturn]] void bad(const std::string& why) { throw DescriptorError("malformed torch_ipc descriptor: " + why); }
 
 void check_index(uint64_t index, size_t count, const char* what) {
   if (index >= count)
-    bad(std::string(what) + " index " + std::to_string(index) + " out of range (" +
-        std::to_string(count) + " entries)");
+    bad(std::string(what) + " index " + std::to_string(index) + " out of range (" + std::to_string(count) +
+        " entries)");
 }
 
 bool valid_kind(uint8_t k) { return k >= 1 && k <= 3; }
@@ -137,8 +133,7 @@ size_t dtype_itemsize(uint8_t code) {
 // it), and the last byte the view can touch, (offset + sum((size-1)*stride)
 // + 1) * itemsize, must lie inside the storage. An empty view touches no
 // memory, but its storage offset must still lie inside the storage.
-void check_tensor(const TensorRecord& t, c10::IntArrayRef sizes, c10::IntArrayRef strides,
-                  uint64_t storage_bytes) {
+void check_tensor(const TensorRecord& t, c10::IntArrayRef sizes, c10::IntArrayRef strides, uint64_t storage_bytes) {
   const size_t itemsize = dtype_itemsize(t.dtype);
   if (itemsize == 0) bad("unknown or unsupported dtype code " + std::to_string(t.dtype));
   if ((t.flags & kRequiresGrad) && !c10::isFloatingType(static_cast<c10::ScalarType>(t.dtype)) &&
@@ -155,8 +150,7 @@ void check_tensor(const TensorRecord& t, c10::IntArrayRef sizes, c10::IntArrayRe
     uint64_t last = static_cast<uint64_t>(t.storage_offset);  // element index
     for (size_t i = 0; i < sizes.size(); ++i) {
       uint64_t reach;
-      if (__builtin_mul_overflow(static_cast<uint64_t>(sizes[i] - 1), static_cast<uint64_t>(strides[i]),
-                                 &reach) ||
+      if (__builtin_mul_overflow(static_cast<uint64_t>(sizes[i] - 1), static_cast<uint64_t>(strides[i]), &reach) ||
           __builtin_add_overflow(last, reach, &last))
         bad("a tensor view's extent overflows");
     }
@@ -164,8 +158,7 @@ void check_tensor(const TensorRecord& t, c10::IntArrayRef sizes, c10::IntArrayRe
         __builtin_mul_overflow(last, static_cast<uint64_t>(itemsize), &end))
       bad("a tensor view's extent overflows");
   }
-  if (end > storage_bytes)
-    bad("a tensor view runs past its storage (" + std::to_string(storage_bytes) + " bytes)");
+  if (end > storage_bytes) bad("a tensor view runs past its storage (" + std::to_string(storage_bytes) + " bytes)");
 }
 
 // decode() in steps: the header, then each table in the order of Note
@@ -178,8 +171,7 @@ struct Counts {
 // The header: magic, version, flags, length, counts, producer, boot id; the
 // checksum over the whole buffer; and whether the fixed-size tables fit.
 Counts read_header(Reader& r, const uint8_t* data, size_t size, Descriptor& d) {
-  if (size < 4 || r.get<uint32_t>("magic") != kMagic)
-    bad("bad magic number (this is not a torch_ipc descriptor)");
+  if (size < 4 || r.get<uint32_t>("magic") != kMagic) bad("bad magic number (this is not a torch_ipc descriptor)");
   uint16_t version = r.get<uint16_t>("version");
   if (version != kVersion)
     throw DescriptorError("torch_ipc descriptor has format version " + std::to_string(version) +
@@ -208,9 +200,8 @@ Counts read_header(Reader& r, const uint8_t* data, size_t size, Descriptor& d) {
   if (sum != checksum(data, size)) bad("checksum mismatch (the bytes were corrupted or changed)");
 
   // Fixed-size tables: check they fit before allocating anything for them.
-  uint64_t fixed = 16ull * n.devices + uint64_t(kEventBytes) * n.events +
-                   uint64_t(kLeaseBytes) * n.leases + uint64_t(kAllocBytes) * n.allocs +
-                   uint64_t(kStorageBytes) * n.storages +
+  uint64_t fixed = 16ull * n.devices + uint64_t(kEventBytes) * n.events + uint64_t(kLeaseBytes) * n.leases +
+                   uint64_t(kAllocBytes) * n.allocs + uint64_t(kStorageBytes) * n.storages +
                    uint64_t(kTensorHeadBytes) * n.tensors + n.payload;
   if (fixed > r.left()) bad("tables and payload need more bytes than the descriptor holds");
   return n;
@@ -310,11 +301,10 @@ TensorRecord read_tensor(Reader& r, const Counts& n, const std::vector<StorageRe
 std::string encode(const Descriptor& d) {
   size_t tensor_bytes = 0;
   for (const auto& t : d.tensors) tensor_bytes += kTensorHeadBytes + 16 * t.ndim;
-  size_t total = kHeaderBytes + 16 * d.devices.size() + kEventBytes * d.events.size() +
-                 kLeaseBytes * d.leases.size() + kAllocBytes * d.allocs.size() +
-                 kStorageBytes * d.storages.size() + tensor_bytes + d.payload.size();
-  if (total > std::numeric_limits<uint32_t>::max() || d.devices.size() >= kNone16 ||
-      d.events.size() >= kNone16 || d.leases.size() >= kNone16)
+  size_t total = kHeaderBytes + 16 * d.devices.size() + kEventBytes * d.events.size() + kLeaseBytes * d.leases.size() +
+                 kAllocBytes * d.allocs.size() + kStorageBytes * d.storages.size() + tensor_bytes + d.payload.size();
+  if (total > std::numeric_limits<uint32_t>::max() || d.devices.size() >= kNone16 || d.events.size() >= kNone16 ||
+      d.leases.size() >= kNone16)
     throw InvalidUse("torch_ipc: too many tensors for one descriptor");
 
   Writer w(total);
@@ -412,6 +402,5 @@ Descriptor decode(const void* data, size_t size) {
 uint16_t storage_device(const Descriptor& d, const StorageRecord& s) {
   return s.alloc == kNoAlloc ? s.empty_device : d.allocs[s.alloc].device;
 }
-
 
 }  // namespace torch_ipc

@@ -8,9 +8,10 @@
 
 #include <array>
 #include <cstdint>
-#include <c10/util/ArrayRef.h>
 #include <string>
 #include <vector>
+
+#include <c10/util/ArrayRef.h>
 
 #include "base/ids.h"
 

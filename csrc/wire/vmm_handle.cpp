@@ -2,9 +2,8 @@
 // vmm_handle.h): every value is checked before the consumer acts on it.
 #include "wire/vmm_handle.h"
 
-#include <cuda.h>
-
 #include <cstring>
+#include <cuda.h>
 #include <limits>
 #include <string>
 
@@ -20,10 +19,9 @@ static_assert(kVmmFabric == CU_MEM_HANDLE_TYPE_FABRIC, "cuda.h disagrees");
 namespace {
 
 // Byte offsets of the values (Note [VMM handle field]).
-constexpr size_t kVersionAt = 0, kTypeAt = 1, kFdCountAt = 2, kChunksAt = 4, kIdAt = 8,
-                 kChunkBytesAt = 16, kPidAt = 24, kFdsAt = 28;
-static_assert(kFdsAt + sizeof(int32_t) * kVmmMaxFdNumbers == sizeof(Handle64),
-              "the fd numbers fill the field");
+constexpr size_t kVersionAt = 0, kTypeAt = 1, kFdCountAt = 2, kChunksAt = 4, kIdAt = 8, kChunkBytesAt = 16, kPidAt = 24,
+                 kFdsAt = 28;
+static_assert(kFdsAt + sizeof(int32_t) * kVmmMaxFdNumbers == sizeof(Handle64), "the fd numbers fill the field");
 constexpr int32_t kNoFd = -1;
 
 template <typename T>
@@ -62,8 +60,8 @@ std::string invalid(const VmmHandleField& f, const uint64_t* alloc_size) {
     if (f.chunk_bytes > std::numeric_limits<uint64_t>::max() / f.n_chunks)
       return str(f.n_chunks) + " chunks of " + str(f.chunk_bytes) + " bytes overflow 64 bits";
     if (alloc_size && *alloc_size != f.chunk_bytes * f.n_chunks)
-      return "allocation size " + str(*alloc_size) + " is not " + str(f.n_chunks) + " chunks of " +
-             str(f.chunk_bytes) + " bytes";
+      return "allocation size " + str(*alloc_size) + " is not " + str(f.n_chunks) + " chunks of " + str(f.chunk_bytes) +
+             " bytes";
   } else {
     // No common size means at least two chunks of different (nonzero) sizes.
     if (f.n_chunks < 2) return "one chunk and no chunk size";
@@ -122,8 +120,6 @@ Handle64 encode_vmm_handle(const VmmHandleField& f) {
 
 VmmHandleField decode_vmm_handle(const Handle64& field) { return decode(field, nullptr); }
 
-VmmHandleField decode_vmm_handle(const Handle64& field, uint64_t alloc_size) {
-  return decode(field, &alloc_size);
-}
+VmmHandleField decode_vmm_handle(const Handle64& field, uint64_t alloc_size) { return decode(field, &alloc_size); }
 
 }  // namespace torch_ipc

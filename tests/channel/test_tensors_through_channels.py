@@ -13,10 +13,10 @@ import time
 from multiprocessing import AuthenticationError, Pipe
 from multiprocessing.reduction import ForkingPickler
 
+import ipc_test_utils as u
 import pytest
 import torch
 
-import ipc_test_utils as u
 import torch_ipc
 from torch_ipc.testing import Peer
 

@@ -5,13 +5,12 @@ killed with its group when the test ends or times out."""
 
 import signal
 
+import distributed_helpers as dh
 import pytest
 import torch
+import weights_helpers as wh
 
 from torch_ipc.testing import PeerGroup
-
-import distributed_helpers as dh
-import weights_helpers as wh
 
 TIMEOUT = 90.0
 

@@ -8,9 +8,9 @@ import signal
 import subprocess
 import time
 
+import ipc_test_utils as u
 import pytest
 
-import ipc_test_utils as u
 from torch_ipc.testing import (
     Peer,
     PeerError,

@@ -9,10 +9,10 @@ import os
 import random
 import time
 
+import ipc_test_utils as u
 import pytest
 import torch
 
-import ipc_test_utils as u
 import torch_ipc
 from torch_ipc._batched_copy import ITEM_BYTES
 from torch_ipc.kv import Handover, LayoutMismatchError, OutOfBlocksError, SharedKVPool
@@ -421,7 +421,7 @@ def test_a_grown_pool_is_seen_by_attached_processes(device, ipc_peer):
         ipc_peer.call(write_block, 7, -3)
         assert bool(pool.block(7).eq(-3).all())
         with pytest.raises(RuntimeError, match="chunks"):
-            pool.tensor
+            _ = pool.tensor
         got = pool.gather([9, 0, 7])
         assert bool(got[0].eq(5).all()) and bool(got[2].eq(-3).all())
         with pytest.raises(ValueError, match="cannot grow by 1"):

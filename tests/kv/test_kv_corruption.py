@@ -12,10 +12,10 @@ import mmap
 import os
 import random
 
+import ipc_test_utils as u
 import pytest
 import torch
 
-import ipc_test_utils as u
 import torch_ipc
 from torch_ipc.kv import OutOfBlocksError, PoolCorruptedError, SharedKVPool
 

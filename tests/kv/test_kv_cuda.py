@@ -4,10 +4,10 @@ gives, over pools of several chunks, blocks of sizes that are not multiples
 of 16 bytes, odd dtypes, buffers off alignment; the host does not wait; bad
 arguments are refused before anything is copied. Skipped without CUDA (the
 CPU side: test_kv.py, test_batched_copy.py)."""
+import ipc_test_utils as u
 import pytest
 import torch
 
-import ipc_test_utils as u
 from torch_ipc._batched_copy import ITEM_BYTES
 from torch_ipc.kv import SharedKVPool
 

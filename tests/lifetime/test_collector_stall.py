@@ -5,10 +5,10 @@ loop in the producer's main thread never waits long for the GIL while the
 collector looks at all of them every 50 ms. CPU tensors."""
 import time
 
+import ipc_test_utils as u
 import pytest
 import torch
 
-import ipc_test_utils as u
 import torch_ipc
 from torch_ipc.testing import Peer
 

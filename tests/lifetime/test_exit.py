@@ -9,9 +9,9 @@ import subprocess
 import sys
 import textwrap
 
+import ipc_test_utils as u
 import torch
 
-import ipc_test_utils as u
 import torch_ipc
 
 TIMEOUT = 120

@@ -6,13 +6,12 @@ import errno
 import os
 import resource
 
+import ipc_test_utils as u
 import torch
 
 import torch_ipc
 from torch_ipc import _C
 from torch_ipc.testing import Peer, run_in_subprocess
-
-import ipc_test_utils as u
 
 _HELD = {}
 

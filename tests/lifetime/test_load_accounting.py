@@ -18,12 +18,12 @@ import textwrap
 import threading
 import time
 
+import ipc_test_utils as u
 import pytest
 import torch
-
-import ipc_test_utils as u
-import torch_ipc
 from wire.test_descriptor import layout, seal
+
+import torch_ipc
 from torch_ipc.testing import Peer, PeerError
 
 RECLAIM_S = 5.0

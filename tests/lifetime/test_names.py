@@ -7,15 +7,14 @@ _C._testing.queue_random), as another user where the test can be one."""
 import os
 import socket
 
+import ipc_test_utils as u
 import pytest
 import torch
+from wire.test_descriptor import seal
 
 import torch_ipc
 from torch_ipc import _C
 from torch_ipc.testing import Peer
-
-import ipc_test_utils as u
-from wire.test_descriptor import seal
 
 SHM = "/dev/shm"
 MASK48 = (1 << 48) - 1

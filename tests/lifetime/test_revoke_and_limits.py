@@ -2,16 +2,14 @@
 [revoking an export] in torch_ipc/_export.py), a connection's
 max_bytes_in_flight (Note [bytes in flight]) and send(timeout=...) (Note [send
 time limit] in torch_ipc/mp/connection.py). CPU only."""
-import threading
 import time
 
+import ipc_test_utils as u
 import pytest
 import torch
 
 import torch_ipc
 from torch_ipc.testing import Peer
-
-import ipc_test_utils as u
 
 AUTHKEY = b"revoke-and-limits"
 JOIN_S = 30.0

@@ -12,14 +12,13 @@ import sys
 import textwrap
 import time
 
+import ipc_test_utils as u
 import pytest
 import torch
 
 import torch_ipc
 from torch_ipc import _C
 from torch_ipc.testing import Peer
-
-import ipc_test_utils as u
 
 # Children import the torch_ipc this process imported: the installed package,
 # or the checkout's in-place build (the checkout has no _C after an install).

@@ -5,11 +5,10 @@ import errno
 import os
 
 import pytest
+from sharing.test_fd_passing import _publish, _stats
 
 from torch_ipc import _C
 from torch_ipc.testing import Peer, run_in_subprocess
-
-from sharing.test_fd_passing import _publish, _stats
 
 NOBODY = 65534
 

@@ -9,12 +9,10 @@ import subprocess
 
 import pytest
 import torch
+from wire.test_descriptor import patch
 
 import torch_ipc
-from torch_ipc import _C
 from torch_ipc.testing import Peer, run_in_subprocess
-
-from wire.test_descriptor import patch
 
 _HELD = {}
 PRODUCER_PID_OFFSET = 36  # Note [descriptor layout]: u32 pid, u64 start time

@@ -7,10 +7,10 @@ another uid, which needs root."""
 import os
 import re
 
+import ipc_test_utils as u
 import pytest
 import torch
 
-import ipc_test_utils as u
 import torch_ipc
 from torch_ipc.kv import SharedKVPool
 

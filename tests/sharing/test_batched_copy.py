@@ -5,11 +5,11 @@ larger than ITEM_BYTES. The kernels themselves: test_kv_cuda.py and
 test_weights_cuda.py."""
 from array import array
 
+import ipc_test_utils as u
 import pytest
 import torch
 
-import ipc_test_utils as u
-from torch_ipc import _batched_copy, _C
+from torch_ipc import _C, _batched_copy
 from torch_ipc._batched_copy import ITEM_BYTES, LARGEST_ITEM
 
 

@@ -13,14 +13,13 @@ import os
 import pickle
 from multiprocessing.reduction import ForkingPickler
 
+import ipc_test_utils as u
 import pytest
 import torch
 
 import torch_ipc
 from torch_ipc import _C
 from torch_ipc.testing import Peer
-
-import ipc_test_utils as u
 
 TIMEOUT = 120
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]

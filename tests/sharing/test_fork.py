@@ -11,16 +11,14 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
-import time
 
+import ipc_test_utils as u
 import pytest
 import torch
 
 import torch_ipc
 from torch_ipc import _C, _serialize
 from torch_ipc.testing import Peer
-
-import ipc_test_utils as u
 
 TIMEOUT = 120
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")

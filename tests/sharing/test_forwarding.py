@@ -6,13 +6,12 @@ test_fork.py."""
 import os
 import time
 
+import ipc_test_utils as u
 import torch
 
 import torch_ipc
 from torch_ipc import _C, _serialize
 from torch_ipc.testing import Peer
-
-import ipc_test_utils as u
 
 TIMEOUT = 120
 

@@ -10,10 +10,10 @@ CPU-only machines run the IpcEvent state checks, which come before any CUDA call
 import pickle
 import struct
 
+import ipc_test_utils as u
 import pytest
 import torch
 
-import ipc_test_utils as u
 import torch_ipc
 from torch_ipc.ipc_event import _rebuild_ipc_event
 

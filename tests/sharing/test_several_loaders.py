@@ -14,6 +14,7 @@ import pickle
 import time
 from multiprocessing.reduction import ForkingPickler
 
+import ipc_test_utils as u
 import pytest
 import torch
 
@@ -21,8 +22,6 @@ import torch_ipc
 from torch_ipc import _C, _serialize
 from torch_ipc.mp import _reductions
 from torch_ipc.testing import run_in_subprocess
-
-import ipc_test_utils as u
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 SPAWN = {"TORCH_IPC_TEST_SPAWNED": "1"}  # an env= makes run_in_subprocess spawn a fresh interpreter

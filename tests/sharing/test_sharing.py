@@ -11,10 +11,10 @@ import collections
 import gc
 import time
 
+import ipc_test_utils as u
 import pytest
 import torch
 
-import ipc_test_utils as u
 import torch_ipc
 from torch_ipc.testing import Peer, run_in_subprocess
 

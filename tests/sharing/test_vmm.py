@@ -5,10 +5,10 @@ import signal
 import struct
 import time
 
+import ipc_test_utils as u
 import pytest
 import torch
 
-import ipc_test_utils as u
 import torch_ipc
 from torch_ipc import _C
 from torch_ipc.testing import Peer, PeerError, cuda_device_count

@@ -6,13 +6,12 @@ import multiprocessing as mp
 import signal
 import threading
 
+import ipc_test_utils as u
 import pytest
 import torch
+from weights_helpers import SHAPES, bits, listener_address, make_weights, pair
 
 from torch_ipc.weights import Publisher, PublisherGoneError, Subscriber, WeightsMismatchError
-
-import ipc_test_utils as u
-from weights_helpers import SHAPES, bits, listener_address, make_weights, pair
 
 
 def test_pull_copies_the_published_version():

@@ -7,11 +7,10 @@ import signal
 
 import pytest
 import torch
+from weights_helpers import bits, listener_address, make_weights, pair
 
 from torch_ipc.weights import PublisherGoneError, Subscriber, WeightsMismatchError
 from torch_ipc.weights._copy import BatchedCopy
-
-from weights_helpers import bits, listener_address, make_weights, pair
 
 pytestmark = pytest.mark.cuda
 

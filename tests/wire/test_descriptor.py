@@ -13,10 +13,10 @@ import re
 import struct
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
+import ipc_test_utils as u
 import pytest
 import torch
 
-import ipc_test_utils as u
 import torch_ipc
 from torch_ipc.testing import Peer, run_in_subprocess
 

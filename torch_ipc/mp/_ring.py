@@ -36,8 +36,8 @@ import struct
 import threading
 import time
 import weakref
-from multiprocessing import reduction
 from multiprocessing import connection as mpc
+from multiprocessing import reduction
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional, Tuple
 

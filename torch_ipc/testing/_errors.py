@@ -4,6 +4,7 @@ from __future__ import annotations
 import signal
 from typing import Any, Dict, Optional, Tuple
 
+
 class PeerError(RuntimeError):
     """A child process failed: its function raised, or it died, or it timed out.
 

@@ -7,6 +7,7 @@ from ._environment import Env, check_env
 from ._errors import PeerError, describe_exit
 from ._peer import Peer
 
+
 class PeerGroup:
     """Named :class:`Peer` processes that several tests share, each started on first use.
 

@@ -4,11 +4,13 @@
 #include <map>
 #include <mutex>
 
-#include "cuda/cuda_context.h"
-#include "cuda/cuda_driver.h"
 #include "base/errors.h"
 #include "base/fork.h"
+
 #include "os/process.h"
+
+#include "cuda/cuda_context.h"
+#include "cuda/cuda_driver.h"
 
 namespace torch_ipc {
 namespace {
@@ -55,8 +57,9 @@ State parse_state(const std::string& bytes) {
   Uuid boot{};
   std::memcpy(boot.data(), s.boot_id, 16);
   if (boot != boot_id())
-    throw DescriptorError("torch_ipc.IpcEvent comes from another machine or an earlier boot: "
-                          "events are shared only between processes of one machine");
+    throw DescriptorError(
+        "torch_ipc.IpcEvent comes from another machine or an earlier boot: "
+        "events are shared only between processes of one machine");
   return s;
 }
 
@@ -133,8 +136,6 @@ bool IpcEvent::query() {
   throw_driver_error("cuEventQuery", r);
 }
 
-void IpcEvent::synchronize() {
-  TORCH_IPC_CU(cuEventSynchronize, event_->event);
-}
+void IpcEvent::synchronize() { TORCH_IPC_CU(cuEventSynchronize, event_->event); }
 
 }  // namespace torch_ipc

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cuda.h>
-
 #include <memory>
 #include <optional>
 #include <string>

@@ -2,20 +2,21 @@
 // guarded by a robust process-shared mutex.
 #include "features/kv/block_allocator.h"
 
-#include <pthread.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <pthread.h>
+#include <unistd.h>
 
 #include <c10/util/Exception.h>
 
 #include "base/errors.h"
-#include "features/kv/pool_lock.h"
+
 #include "os/names.h"
 #include "os/process.h"
 #include "os/refcount.h"
+
+#include "features/kv/pool_lock.h"
 
 namespace torch_ipc {
 
@@ -41,8 +42,7 @@ namespace torch_ipc {
 class BlockAllocator::Lock {
  public:
   // Takes the lock, repairs after a holder that died, checks the counts.
-  explicit Lock(const BlockAllocator& a, bool wait = true)
-      : mutex_(a.header(), a.lock_timeout_, wait, a.name()) {
+  explicit Lock(const BlockAllocator& a, bool wait = true) : mutex_(a.header(), a.lock_timeout_, wait, a.name()) {
     if (!mutex_.locked()) return;
     if (mutex_.owner_died()) {  // Note [block ownership under a robust mutex]
       try {
@@ -67,8 +67,8 @@ BlockAllocator::BlockAllocator(std::unique_ptr<ShmMapping> shm, PoolGeometry geo
 std::unique_ptr<BlockAllocator> BlockAllocator::create(const BlockLayout& layout, uint64_t max_blocks) {
   TORCH_IPC_CHECK_VALUE(max_blocks >= 1 && max_blocks <= kMaxBlocks, "torch_ipc: a KV pool has 1 to ", kMaxBlocks,
                         " blocks, not ", max_blocks);
-  TORCH_IPC_CHECK_VALUE(!layout.shape.empty() && layout.shape.size() <= kMaxBlockDims,
-                        "torch_ipc: a block has 1 to ", kMaxBlockDims, " dimensions, not ", layout.shape.size());
+  TORCH_IPC_CHECK_VALUE(!layout.shape.empty() && layout.shape.size() <= kMaxBlockDims, "torch_ipc: a block has 1 to ",
+                        kMaxBlockDims, " dimensions, not ", layout.shape.size());
   PoolGeometry geometry{max_blocks, layout};
   geometry.layout.block_bytes =
       checked_block_bytes(static_cast<uint32_t>(layout.shape.size()), layout.shape.data(), layout.dtype);
@@ -97,16 +97,15 @@ std::unique_ptr<BlockAllocator> BlockAllocator::attach(const std::string& name, 
                     : std::nullopt;
   TORCH_IPC_CHECK_VALUE(parsed && !parsed->lease, "torch_ipc: '", name, "' is not the name of a KV pool's segment");
   const ProcessId maker{parsed->pid, parsed->start_time};
-  TORCH_IPC_CHECK_VALUE(creator == ProcessId{} || creator == maker, "torch_ipc: KV pool ", name,
-                        " is named as pid ", maker.pid, "'s, not pid ", creator.pid, "'s");
+  TORCH_IPC_CHECK_VALUE(creator == ProcessId{} || creator == maker, "torch_ipc: KV pool ", name, " is named as pid ",
+                        maker.pid, "'s, not pid ", creator.pid, "'s");
   auto shm = ShmMapping::open(name, sizeof(PoolHeader), maker);
   if (!shm) {
     if (!process_alive(maker)) throw producer_gone(maker.pid, "the KV pool it made can no longer be attached");
     throw Released("torch_ipc: the KV pool " + name + " was closed by its owner (pid " + std::to_string(maker.pid) +
                    ")");
   }
-  PoolGeometry geometry =
-      read_pool_geometry(static_cast<const PoolHeader*>(shm->data()), shm->size(), name);
+  PoolGeometry geometry = read_pool_geometry(static_cast<const PoolHeader*>(shm->data()), shm->size(), name);
   std::unique_ptr<BlockAllocator> a(new BlockAllocator(std::move(shm), std::move(geometry)));
   a->register_self();
   return a;

@@ -8,9 +8,11 @@
 #include <vector>
 
 #include "base/ids.h"
-#include "features/kv/pool_segment.h"
+
 #include "os/process.h"
 #include "os/shm.h"
+
+#include "features/kv/pool_segment.h"
 
 namespace torch_ipc {
 

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <pthread.h>
-
 #include <string>
 
 #include "features/kv/pool_segment.h"

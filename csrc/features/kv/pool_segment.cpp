@@ -6,6 +6,7 @@
 #include <c10/core/ScalarType.h>
 
 #include "base/errors.h"
+
 #include "os/shm.h"
 
 namespace torch_ipc {
@@ -64,8 +65,8 @@ PoolGeometry read_pool_geometry(const PoolHeader* h, size_t segment_bytes, const
   // Exactly the segment's size: a max_blocks that is smaller would put the
   // free stack inside the holder table.
   if (g.max_blocks < 1 || g.max_blocks > kPoolMaxBlocks || pool_segment_bytes(g.max_blocks) != segment_bytes)
-    throw_pool_corrupted(name, str("its max_blocks (", g.max_blocks, ") does not match its size (", segment_bytes,
-                                   " bytes)"));
+    throw_pool_corrupted(
+        name, str("its max_blocks (", g.max_blocks, ") does not match its size (", segment_bytes, " bytes)"));
   const uint32_t ndim = h->ndim;
   int64_t shape[kMaxBlockDims] = {};
   std::copy(h->shape, h->shape + std::min<uint32_t>(ndim, kMaxBlockDims), shape);
@@ -86,8 +87,10 @@ void throw_pool_corrupted(const std::string& name, const std::string& what) {
 std::vector<std::pair<std::string, std::pair<size_t, size_t>>> pool_field_offsets(uint64_t max_blocks) {
   const size_t base = ShmMapping::kIdentityBytes;
   const size_t holders = base + sizeof(PoolHeader);
-#define TORCH_IPC_FIELD(name, field) \
-  { name, {base + offsetof(PoolHeader, field), sizeof(PoolHeader::field)} }
+#define TORCH_IPC_FIELD(name, field)                                        \
+  {                                                                         \
+    name, { base + offsetof(PoolHeader, field), sizeof(PoolHeader::field) } \
+  }
   std::vector<std::pair<std::string, std::pair<size_t, size_t>>> out = {
       TORCH_IPC_FIELD("magic", magic),
       TORCH_IPC_FIELD("version", version),

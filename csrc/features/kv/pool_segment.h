@@ -3,11 +3,10 @@
 // it is checked against (Note [nothing trusted from the pool's segment]).
 #pragma once
 
-#include <pthread.h>
-
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <pthread.h>
 #include <string>
 #include <utility>
 #include <vector>

@@ -1,7 +1,8 @@
 #include "features/weights/shared_counters.h"
-#include "base/errors.h"
 
 #include <c10/util/Exception.h>
+
+#include "base/errors.h"
 
 namespace torch_ipc {
 namespace {
@@ -15,10 +16,10 @@ namespace {
 // reorder.
 int64_t* slot(const at::Tensor& counters, int64_t index) {
   TORCH_IPC_CHECK_VALUE(counters.defined() && counters.device().is_cpu() && counters.scalar_type() == at::kLong &&
-                        counters.is_contiguous(),
-                    "torch_ipc: counters must be a contiguous int64 CPU tensor");
+                            counters.is_contiguous(),
+                        "torch_ipc: counters must be a contiguous int64 CPU tensor");
   TORCH_IPC_CHECK_INDEX(index >= 0 && index < counters.numel(), "torch_ipc: counter index ", index,
-                    " out of range for ", counters.numel(), " counters");
+                        " out of range for ", counters.numel(), " counters");
   int64_t* p = counters.data_ptr<int64_t>() + index;
   TORCH_IPC_CHECK_VALUE(reinterpret_cast<uintptr_t>(p) % alignof(int64_t) == 0, "torch_ipc: counter slot not aligned");
   static_assert(__atomic_always_lock_free(sizeof(int64_t), 0), "64-bit atomics must be lock-free");

@@ -5,7 +5,6 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-
 #include <cstdint>
 
 namespace torch_ipc {

@@ -19,9 +19,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/, for test_descriptor's independent layout
 
 import torch  # noqa: E402
+from test_descriptor import HEADER, seal  # noqa: E402
 
 import torch_ipc  # noqa: E402
-from test_descriptor import HEADER, seal  # noqa: E402
 
 VERSION = 3
 MAGIC = b"TIPC"
@@ -34,8 +34,8 @@ def encode(d: dict) -> bytes:
     """The descriptor of layout ``d`` (the format of csrc/wire/descriptor.cpp's encode)."""
     body = b"".join(bytes.fromhex(u) for u in d["devices"])
     body += b"".join(struct.pack("<H6x", e["device"]) + bytes.fromhex(e["handle"]) for e in d["events"])
-    body += b"".join(struct.pack("<IIQIIQI4x", l["pid"], l["segment"], l["start_time"], l["slot"], l["life"],
-                                 l["generation"], l["pidns"]) for l in d["leases"])
+    body += b"".join(struct.pack("<IIQIIQI4x", ls["pid"], ls["segment"], ls["start_time"], ls["slot"], ls["life"],
+                                 ls["generation"], ls["pidns"]) for ls in d["leases"])
     body += b"".join(struct.pack("<BxHH2xQ", KIND[a["kind"]], a["device"], a["lease"], a["size"])
                      + bytes.fromhex(a["handle"]) for a in d["allocs"])
     body += b"".join(struct.pack("<IH2xQQ", s["alloc"], s["device"], s["offset"], s["nbytes"]) for s in d["storages"])
@@ -62,8 +62,8 @@ def layout(data: bytes) -> dict:
         "devices": [u.hex() for u in p["devices"]],
         "events": [{"device": e["device"], "handle": data[e_off(p, i) + 8:e_off(p, i) + 72].hex()}
                    for i, e in enumerate(p["events"])],
-        "leases": [{k: l[k] for k in ("pid", "segment", "start_time", "slot", "life", "generation", "pidns")}
-                   for l in p["leases"]],
+        "leases": [{k: ls[k] for k in ("pid", "segment", "start_time", "slot", "life", "generation", "pidns")}
+                   for ls in p["leases"]],
         "allocs": [{"kind": {v: k for k, v in KIND.items()}[a["kind"]], "device": a["device"], "lease": a["lease"],
                     "size": a["size"], "handle": a["handle"].hex()} for a in p["allocs"]],
         "storages": [{"alloc": s["alloc"], "device": s["device"], "offset": s["byte_offset"], "nbytes": s["nbytes"]}
