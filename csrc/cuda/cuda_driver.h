@@ -38,6 +38,8 @@ namespace torch_ipc {
   X(cuEventDestroy)                    \
   X(cuStreamWaitEvent)                 \
   X(cuStreamQuery)                     \
+  X(cuStreamCreate)                    \
+  X(cuMemcpyAsync)                     \
   X(cuMemCreate)                       \
   X(cuMemRelease)                      \
   X(cuMemExportToShareableHandle)      \
@@ -57,10 +59,34 @@ namespace torch_ipc {
   X(cuModuleGetFunction)               \
   X(cuLaunchKernel)
 
+// CUmemcpyAttributes (CUDA 12.8), spelled out so that the build takes any
+// cuda.h of CUDA 12; checked against the header's where it has one.
+struct MemcpyAttributes {
+  int src_access_order;  // CUmemcpySrcAccessOrder
+  CUmemLocation src_location_hint;
+  CUmemLocation dst_location_hint;
+  unsigned int flags;    // CUmemcpyFlags
+};
+constexpr int kMemcpySrcAccessOrderStream = 0x1;      // CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+constexpr unsigned kMemcpyPreferOverlapWithCompute = 0x1;  // CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+
+// cuMemcpyBatchAsync as the driver gives it for ABI 12080 (PFN_cuMemcpyBatchAsync_v12080:
+// with failIdx; CUDA 13's cuMemcpyBatchAsync_v2, ABI 13000, drops that argument).
+using MemcpyBatchAsync = CUresult (*)(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* sizes, size_t count,
+                                      MemcpyAttributes* attrs, size_t* attrs_idxs, size_t num_attrs,
+                                      size_t* fail_idx, CUstream stream);
+
 struct DriverApi {
 #define TORCH_IPC_DECLARE(name) decltype(&::name) name = nullptr;
   TORCH_IPC_DRIVER_FUNCTIONS(TORCH_IPC_DECLARE)
 #undef TORCH_IPC_DECLARE
+  // Note [optional driver entry points]
+  // Entry points newer than kDriverAbi are resolved at their own ABI version
+  // and may be missing (an older driver): null then, and *_missing says why.
+  // The driver keeps every ABI version it ever gave, so asking for 12080 works
+  // on a CUDA 13 driver too and one signature serves both.
+  MemcpyBatchAsync cuMemcpyBatchAsync = nullptr;
+  std::string cuMemcpyBatchAsync_missing;
 };
 
 // The loaded table; throws CudaUnavailable, saying why, when there is no
