@@ -19,8 +19,9 @@ constexpr int kMemcpyBatchAbi = 12080;  // cuMemcpyBatchAsync with failIdx (Note
 
 #if CUDA_VERSION >= 12080
 static_assert(sizeof(MemcpyAttributes) == sizeof(CUmemcpyAttributes) &&
-                  offsetof(MemcpyAttributes, src_location_hint) == offsetof(CUmemcpyAttributes, srcLocHint) &&
-                  offsetof(MemcpyAttributes, dst_location_hint) == offsetof(CUmemcpyAttributes, dstLocHint) &&
+                  offsetof(MemcpyAttributes, src_location_type) == offsetof(CUmemcpyAttributes, srcLocHint) &&
+                  offsetof(MemcpyAttributes, dst_location_type) == offsetof(CUmemcpyAttributes, dstLocHint) &&
+                  sizeof(CUmemLocation) == 2 * sizeof(int) &&
                   offsetof(MemcpyAttributes, flags) == offsetof(CUmemcpyAttributes, flags),
               "MemcpyAttributes must match cuda.h's CUmemcpyAttributes");
 static_assert(kMemcpySrcAccessOrderStream == CU_MEMCPY_SRC_ACCESS_ORDER_STREAM &&

@@ -61,12 +61,16 @@ namespace torch_ipc {
 
 // CUmemcpyAttributes (CUDA 12.8), spelled out so that the build takes any
 // cuda.h of CUDA 12; checked against the header's where it has one.
+// (CUmemcpyAttributes_v1: 24 bytes, every field 4 bytes wide.)
 struct MemcpyAttributes {
-  int src_access_order;  // CUmemcpySrcAccessOrder
-  CUmemLocation src_location_hint;
-  CUmemLocation dst_location_hint;
-  unsigned int flags;    // CUmemcpyFlags
+  int src_access_order;   // CUmemcpySrcAccessOrder
+  int src_location_type;  // srcLocHint: CUmemLocation {CUmemLocationType type; int id}
+  int src_location_id;
+  int dst_location_type;  // dstLocHint
+  int dst_location_id;
+  unsigned int flags;     // CUmemcpyFlags
 };
+static_assert(sizeof(MemcpyAttributes) == 24, "CUmemcpyAttributes_v1 is 24 bytes");
 constexpr int kMemcpySrcAccessOrderStream = 0x1;      // CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 constexpr unsigned kMemcpyPreferOverlapWithCompute = 0x1;  // CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
 
