@@ -2,8 +2,9 @@
 (Note [kv copies] in torch_ipc/kv/_copies.py): bit for bit what index_select
 gives, over pools of several chunks, blocks of sizes that are not multiples
 of 16 bytes, odd dtypes, buffers off alignment; the host does not wait; bad
-arguments are refused before anything is copied. Skipped without CUDA (the
-CPU side: test_kv.py, test_batched_copy.py)."""
+arguments are refused before anything is copied (there and with a grown
+pool, on the copy-engine path too: the rest of it in test_kv_copy_engine.py).
+Skipped without CUDA (the CPU side: test_kv.py, test_batched_copy.py)."""
 import pytest
 import torch
 
