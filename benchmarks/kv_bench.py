@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """torch_ipc.kv.SharedKVPool against its floors, each measured in the same run.
 
-    python benchmarks/kv_bench.py [--only handover,attach,gather] [--pool-gib 40] [--json out.json]
+    python benchmarks/kv_bench.py [--only handover,attach,gather,contention] [--pool-gib 40] [--json out.json]
+    python benchmarks/kv_bench.py --quick                                # ~1 min on an H100
     python benchmarks/kv_bench.py --device cpu --only handover,gather   # no GPU: the CPU pool
 
 Rows (medians; the ratio or difference against the floor, and the target):
@@ -30,6 +31,25 @@ gather    That process gathers 256 random blocks into one contiguous buffer
           [block items] in torch_ipc/_batched_copy.py), and the host time of
           one gather call (building and queueing its copy). The gathered
           bytes are checked against index_select's.
+          On a GPU, each path of TORCH_IPC_KV_COPY (Note [kv copies] in
+          torch_ipc/kv/_copies.py) again, gather and scatter of the same 256
+          blocks against the device copy: the kernel; the copy engines by one
+          cuMemcpyBatchAsync (with the driver's overlap-with-compute hint,
+          and without it) and by one cuMemcpyAsync per merged range;
+          index_select. A path the driver could not take names the one taken.
+contention
+          GPU only. A loop of bf16 matmuls (8192^3, as many as take
+          --contention-ms alone) on one stream and, on another stream of the
+          same GPU, as many gathers of the 256 blocks as the fastest path
+          does alone in that time, released together. Per path: the matmuls'
+          time beside the gathers (x: their slowdown), one gather's time
+          beside the matmuls (x: vs alone), and the time until both are done
+          (x: vs running one after the other; below 1 the overlap pays).
+          What Note [kv copy default] in torch_ipc/kv/_copies.py records.
+
+--quick: a 4 GiB pool in one allocation, 40 iterations, a 100 ms matmul
+loop (about a minute on an H100). Without CUDA the GPU rows are skipped
+with a message; the rest runs on the CPU.
 
 The block is [2, layers, block_size, heads, head_dim] = [2, 32, 16, 8, 128]
 bfloat16 (2 MiB) unless --block-shape says otherwise.
@@ -220,7 +240,86 @@ def measure_floor(sizes):
     return elapsed
 
 
-def attach_and_gather(data, block_shape, dtype, num_blocks, gather_iters, results):
+def timed(fn, device, iters):
+    """Median ns of fn() with the device drained after each call."""
+    fn()
+    sync(device)
+    ns = []
+    for _ in range(iters):
+        t = time.perf_counter_ns()
+        fn()
+        sync(device)
+        ns.append(time.perf_counter_ns() - t)
+    return statistics.median(ns)
+
+
+def host_ns(fn, device, iters):
+    """Median ns the host spends in fn() (building and queueing its work)."""
+    ns = []
+    for _ in range(iters):
+        sync(device)
+        t = time.perf_counter_ns()
+        fn()
+        ns.append(time.perf_counter_ns() - t)
+    sync(device)
+    return statistics.median(ns)
+
+
+# The copy paths the GPU rows compare: (label, TORCH_IPC_KV_COPY, copy-engine knobs of torch_ipc.kv._copies).
+ENGINE = ("copy_engine", "copy_engine", {})
+PATHS = [
+    ("kernel", "kernel", {}),
+    ENGINE,
+    ("copy_engine, no overlap hint", "copy_engine", {"ENGINE_PREFER_OVERLAP": False}),
+    ("copy_engine, cuMemcpyAsync per range", "copy_engine", {"ENGINE_BATCH": False}),
+    ("index_select", "index_select", {}),
+]
+
+
+class CopyPath:
+    """`with CopyPath(path):` gathers and scatters take that path of PATHS."""
+
+    def __init__(self, path):
+        self.method, self.knobs = path[1], path[2]
+
+    def __enter__(self):
+        from torch_ipc.kv import _copies
+
+        self.saved = {k: getattr(_copies, k) for k in self.knobs}
+        for k, v in self.knobs.items():
+            setattr(_copies, k, v)
+        os.environ["TORCH_IPC_KV_COPY"] = self.method
+
+    def __exit__(self, *exc):
+        from torch_ipc.kv import _copies
+
+        for k, v in self.saved.items():
+            setattr(_copies, k, v)
+        del os.environ["TORCH_IPC_KV_COPY"]
+
+
+def same_bytes(a, b):
+    return torch.equal(a.view(a.shape[0], -1).view(torch.uint8), b.view(b.shape[0], -1).view(torch.uint8))
+
+
+def gather_paths(pool, ids, out, device, iters):
+    """Each GPU path's gather and scatter of `ids` (ns), and whether its gather's bytes are index_select's.
+    The scatters write back the bytes the blocks hold (`ids` are distinct)."""
+    with CopyPath(PATHS[-1]):
+        want = pool.gather(ids)
+    got = {}
+    for path in PATHS:
+        with CopyPath(path):
+            gather_ns = timed(lambda: pool.gather(ids, out=out), device, iters)
+            same = same_bytes(out, want)
+            scatter_ns = timed(lambda: pool.scatter(ids, want), device, iters)
+            host = host_ns(lambda: pool.gather(ids, out=out), device, iters)
+            got[path[0]] = {"gather_ns": gather_ns, "scatter_ns": scatter_ns, "host_ns": host, "same": same,
+                            "copy_path": pool.copy_path}
+    return got
+
+
+def attach_and_gather(data, block_shape, dtype, num_blocks, gather_iters, contention_ms, results):
     import torch_ipc  # noqa: F401
     from torch_ipc.kv import SharedKVPool
 
@@ -236,45 +335,91 @@ def attach_and_gather(data, block_shape, dtype, num_blocks, gather_iters, result
     out = torch.empty((N_IDS, *block_shape), dtype=dtype, device=device)
     src = torch.empty_like(out)
     dst = torch.empty_like(out)
-
-    def timed(fn):
-        fn()
-        sync(device)
-        ns = []
-        for _ in range(gather_iters):
-            t = time.perf_counter_ns()
-            fn()
-            sync(device)
-            ns.append(time.perf_counter_ns() - t)
-        return statistics.median(ns)
-
-    def host_ns(fn):
-        ns = []
-        for _ in range(gather_iters):
-            sync(device)
-            t = time.perf_counter_ns()
-            fn()
-            ns.append(time.perf_counter_ns() - t)
-        sync(device)
-        return statistics.median(ns)
-
-    gather_ns = timed(lambda: pool.gather(ids, out=out))
-    path = pool.copy_path
-    gather_host_ns = host_ns(lambda: pool.gather(ids, out=out))
+    r = {"attach_ns": attach_ns, "nbytes": out.numel() * out.element_size()}
+    r["gather_ns"] = timed(lambda: pool.gather(ids, out=out), device, gather_iters)
+    r["path"] = pool.copy_path
+    r["gather_host_ns"] = host_ns(lambda: pool.gather(ids, out=out), device, gather_iters)
     # The kernel with items of at most ITEM_BYTES (Note [block items]), for comparison.
     from torch_ipc import _batched_copy
 
     largest, _batched_copy.LARGEST_ITEM = _batched_copy.LARGEST_ITEM, _batched_copy.ITEM_BYTES
-    small_items_ns = timed(lambda: pool.gather(ids, out=out))
+    r["small_items_ns"] = timed(lambda: pool.gather(ids, out=out), device, gather_iters)
     _batched_copy.LARGEST_ITEM = largest
-    copy_ns = timed(lambda: dst.copy_(src))
-    os.environ["TORCH_IPC_KV_COPY"] = "index_select"
-    index_select_ns = timed(lambda: pool.gather(ids, out=dst))
-    del os.environ["TORCH_IPC_KV_COPY"]
-    ok = torch.equal(out.view(N_IDS, -1).view(torch.uint8), dst.view(N_IDS, -1).view(torch.uint8))
+    r["copy_ns"] = timed(lambda: dst.copy_(src), device, gather_iters)
+    with CopyPath(PATHS[-1]):
+        r["index_select_ns"] = timed(lambda: pool.gather(ids, out=dst), device, gather_iters)
+    r["same"] = same_bytes(out, dst)
+    if device.startswith("cuda"):
+        r["paths"] = gather_paths(pool, ids, out, device, gather_iters)
+        if contention_ms:
+            r["contention"] = contention(pool, ids, out, contention_ms, gather_iters)
     pool.close()
-    results.put((attach_ns, gather_ns, copy_ns, out.numel() * out.element_size(), ok, path, gather_host_ns,
-                 index_select_ns, small_items_ns))
+    results.put(r)
+
+
+# ----------------------------------------------------------------------------- contention
+
+
+MATMUL_N = 8192
+
+
+def run_together(matmul, matmuls, copy, copies):
+    """Queue `matmuls` matmul() on one stream and `copies` copy() on another,
+    both released at once by one event; ms of (the matmuls, the copies, both
+    from the release to the last one's end)."""
+    mm_stream, cp_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    go, mm_start, mm_end, cp_start, cp_end = (torch.cuda.Event(enable_timing=True) for _ in range(5))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s: the host queues everything below meanwhile
+    go.record()
+    for stream, start, end, fn, n in ((mm_stream, mm_start, mm_end, matmul, matmuls),
+                                      (cp_stream, cp_start, cp_end, copy, copies)):
+        with torch.cuda.stream(stream):
+            stream.wait_event(go)
+            start.record()
+            for _ in range(n):
+                fn()
+            end.record()
+    torch.cuda.synchronize()
+    return (mm_start.elapsed_time(mm_end), cp_start.elapsed_time(cp_end),
+            max(go.elapsed_time(mm_end), go.elapsed_time(cp_end)))
+
+
+def contention(pool, ids, out, window_ms, iters):
+    """Each path's gathers while a bf16 matmul loop runs on the same GPU
+    (another stream): the matmuls' and the copies' times alone and together.
+    As many matmuls as take ~window_ms alone; as many gathers as the fastest
+    path does alone in that time, the same for every path."""
+    a, b = (torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    c = torch.empty_like(a)
+
+    def matmul():
+        torch.matmul(a, b, out=c)
+
+    def gather():
+        pool.gather(ids, out=out)
+
+    run_together(matmul, 3, gather, 0)  # warm: cuBLAS picks its kernel
+    one_ms = statistics.median(run_together(matmul, 5, gather, 0)[0] / 5 for _ in range(3))
+    matmuls = max(5, int(window_ms / one_ms))
+    matmul_alone = statistics.median(run_together(matmul, matmuls, gather, 0)[0] for _ in range(3))
+    rough = {}
+    for path in PATHS:
+        with CopyPath(path):
+            run_together(matmul, 0, gather, 2)
+            rough[path[0]] = run_together(matmul, 0, gather, 8)[1] / 8
+    copies = max(4, int(matmul_alone / min(rough.values())))
+    got = {"matmul_n": MATMUL_N, "matmuls": matmuls, "matmul_alone_ms": matmul_alone, "copies": copies}
+    for path in PATHS:
+        with CopyPath(path):
+            # Once first: the caching host allocator then holds a pinned table (index) for each
+            # gather in flight; making one waits for the device (Note [kv copies]).
+            run_together(matmul, 0, gather, copies)
+            alone = run_together(matmul, 0, gather, copies)[1] / copies
+            runs = [run_together(matmul, matmuls, gather, copies) for _ in range(max(1, min(3, iters // 8)))]
+        mm, cp, both = (statistics.median(x) for x in zip(*runs))
+        got[path[0]] = {"copy_alone_ms": alone, "matmul_ms": mm, "copy_ms": cp / copies, "both_ms": both}
+    return got
 
 
 def release_pool_memory(device: str) -> None:
@@ -304,20 +449,22 @@ def bench_attach_gather(args, device, dtype, block_shape, only):
     rows = []
     ctx = mp.get_context("spawn")
     for chunks in [int(c) for c in args.attach_chunks.split(",")] if "attach" in only else [1]:
+        first_run = chunks == int(args.attach_chunks.split(",")[0]) or "attach" not in only
         per_chunk = -(-num_blocks // chunks)
         sizes = [min(per_chunk, num_blocks - first) * block_bytes for first in range(0, num_blocks, per_chunk)]
         floor_ns = measure_floor(sizes) if device == "cuda" and "attach" in only else None
         pool = SharedKVPool(num_blocks, block_shape, dtype, device, blocks_per_chunk=per_chunk)
         sync(device)
         results = ctx.Queue()
+        contention_ms = args.contention_ms if "contention" in only and first_run and device == "cuda" else 0
         child = ctx.Process(
             target=attach_and_gather,
-            args=(torch_ipc.dumps(pool), block_shape, dtype, num_blocks, args.iters // 4 or 1, results),
+            args=(torch_ipc.dumps(pool), block_shape, dtype, num_blocks, args.iters // 4 or 1, contention_ms,
+                  results),
         )
         child.start()
         try:
-            (attach_ns, gather_ns, copy_ns, nbytes, same, path, host_ns, index_select_ns,
-             small_items_ns) = results.get(timeout=TIMEOUT)
+            r = results.get(timeout=TIMEOUT)
             child.join(TIMEOUT)
         finally:
             if child.is_alive():
@@ -327,27 +474,63 @@ def bench_attach_gather(args, device, dtype, block_shape, only):
         release_pool_memory(device)
         gib = num_blocks * block_bytes / 2**30
         if "attach" in only:
-            label = f"attach: {gib:.1f} GiB in {len(sizes)} allocation(s)"
-            if floor_ns is not None:
-                rows.append(row(label + " (driver floor)", floor_ns / 1e6, "ms"))
-                rows.append(row(label, attach_ns / 1e6, "ms", ratio=attach_ns / floor_ns, target="<= 1.5x",
-                                ok=attach_ns <= 1.5 * floor_ns))
-            else:
-                rows.append(row(label, attach_ns / 1e6, "ms"))
-        if "gather" in only and chunks == int(args.attach_chunks.split(",")[0]):
-            copy_bw, gather_bw = 2 * nbytes / copy_ns, 2 * nbytes / gather_ns  # bytes read + written per ns
-            rows.append(row(f"gather: device copy of {nbytes / 2**20:.0f} MiB (floor)", copy_bw, "GB/s"))
-            rows.append(row(f"gather: {N_IDS} random blocks into one buffer [{path}]", gather_bw, "GB/s",
-                            ratio=gather_bw / copy_bw, target=">= 0.9x", ok=same and gather_bw >= 0.9 * copy_bw))
-            select_bw = 2 * nbytes / index_select_ns
-            rows.append(row("gather: the same through index_select", select_bw, "GB/s", ratio=select_bw / copy_bw))
-            if path == "kernel":
-                small_bw = 2 * nbytes / small_items_ns
-                rows.append(row("gather: the same, kernel items <= 256 KiB", small_bw, "GB/s",
-                                ratio=small_bw / copy_bw))
-            rows.append(row("gather: host time of one call (no sync)", host_ns / 1e3, "us"))
-            if not same:
-                rows.append(row("gather: MISMATCH against index_select's bytes", 0, "", ok=False))
+            rows += attach_rows(f"attach: {gib:.1f} GiB in {len(sizes)} allocation(s)", r["attach_ns"], floor_ns)
+        if "gather" in only and first_run:
+            rows += gather_rows(r)
+        if "contention" in r:
+            rows += contention_rows(r["contention"])
+    return rows
+
+
+def attach_rows(label, attach_ns, floor_ns):
+    if floor_ns is None:
+        return [row(label, attach_ns / 1e6, "ms")]
+    return [row(label + " (driver floor)", floor_ns / 1e6, "ms"),
+            row(label, attach_ns / 1e6, "ms", ratio=attach_ns / floor_ns, target="<= 1.5x",
+                ok=attach_ns <= 1.5 * floor_ns)]
+
+
+def gather_rows(r):
+    nbytes, path, same = r["nbytes"], r["path"], r["same"]
+    copy_bw = 2 * nbytes / r["copy_ns"]  # bytes read + written per ns
+
+    def bw(ns):
+        return 2 * nbytes / ns
+
+    rows = [row(f"gather: device copy of {nbytes / 2**20:.0f} MiB (floor)", copy_bw, "GB/s"),
+            row(f"gather: {N_IDS} random blocks into one buffer [{path}]", bw(r["gather_ns"]), "GB/s",
+                ratio=bw(r["gather_ns"]) / copy_bw, target=">= 0.9x", ok=same and bw(r["gather_ns"]) >= 0.9 * copy_bw),
+            row("gather: the same through index_select", bw(r["index_select_ns"]), "GB/s",
+                ratio=bw(r["index_select_ns"]) / copy_bw)]
+    if path == "kernel":
+        rows.append(row("gather: the same, kernel items <= 256 KiB", bw(r["small_items_ns"]), "GB/s",
+                        ratio=bw(r["small_items_ns"]) / copy_bw))
+    rows.append(row("gather: host time of one call (no sync)", r["gather_host_ns"] / 1e3, "us"))
+    if not same:
+        rows.append(row("gather: MISMATCH against index_select's bytes", 0, "", ok=False))
+    for label, p in r.get("paths", {}).items():
+        shown = label if p["copy_path"].startswith(label.split(",")[0]) else f"{label}: took {p['copy_path']}"
+        rows.append(row(f"gather [{shown}]", bw(p["gather_ns"]), "GB/s", ratio=bw(p["gather_ns"]) / copy_bw,
+                        ok=None if p["same"] else False))
+        rows.append(row(f"scatter [{shown}]", bw(p["scatter_ns"]), "GB/s", ratio=bw(p["scatter_ns"]) / copy_bw))
+        rows.append(row(f"gather [{label}]: host time of one call", p["host_ns"] / 1e3, "us"))
+    return rows
+
+
+def contention_rows(c):
+    alone = c["matmul_alone_ms"]
+    rows = [row(f"contention: {c['matmuls']} bf16 matmuls {c['matmul_n']}^3 alone (floor; "
+                f"{c['copies']} gathers beside them)", alone, "ms")]
+    for label, p in ((k, v) for k, v in c.items() if isinstance(v, dict)):
+        serial = alone + c["copies"] * p["copy_alone_ms"]
+        rows += [
+            row(f"contention [{label}]: the matmuls beside the gathers", p["matmul_ms"], "ms",
+                ratio=p["matmul_ms"] / alone),
+            row(f"contention [{label}]: one gather beside the matmuls", p["copy_ms"], "ms",
+                ratio=p["copy_ms"] / p["copy_alone_ms"]),
+            row(f"contention [{label}]: all done (vs one after the other)", p["both_ms"], "ms",
+                ratio=p["both_ms"] / serial),
+        ]
     return rows
 
 
@@ -373,7 +556,7 @@ def print_rows(rows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="handover,attach,gather")
+    ap.add_argument("--only", default="handover,attach,gather,contention")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--pool-gib", type=float, default=40.0)
     ap.add_argument("--attach-chunks", default="1,40", help="allocations of the attach pool, one run each")
@@ -381,8 +564,14 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--contention-ms", type=float, default=400.0, help="the matmul loop's length alone")
+    ap.add_argument("--quick", action="store_true",
+                    help="a 4 GiB pool in one allocation, 40 iterations, a 100 ms matmul loop (~1 min on an H100)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.quick:
+        args.pool_gib, args.attach_chunks, args.iters, args.warmup = 4.0, "1", 40, 5
+        args.contention_ms = 100.0
     only = set(args.only.split(","))
     device = args.device
     dtype = getattr(torch, args.dtype)
@@ -390,12 +579,15 @@ def main():
     if device == "cpu":
         only.discard("attach")  # the floor is the CUDA driver's
         args.pool_gib = min(args.pool_gib, 1.0)
+        if only & {"gather", "contention"}:
+            print("no CUDA: the copy-engine and kernel rows and the contention rows are skipped (they need a GPU)")
+        only.discard("contention")
     print(f"device: {device}" + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else "")
           + f"; block {list(block_shape)} {args.dtype}")
     rows = []
     if "handover" in only:
         rows += bench_handover(args, device, dtype, block_shape)
-    if only & {"attach", "gather"}:
+    if only & {"attach", "gather", "contention"}:
         rows += bench_attach_gather(args, device, dtype, block_shape, only)
     print_rows(rows)
     if args.json:

@@ -1,7 +1,6 @@
 #include "cuda/batched_copy.h"
 
 #include <algorithm>
-#include <map>
 #include <mutex>
 
 #include <c10/util/Exception.h>
@@ -11,6 +10,8 @@
 #include "cuda/batched_copy_ptx.h"
 #include "cuda/cuda_context.h"
 #include "cuda/cuda_driver.h"
+#include "cuda/per_device.h"
+#include "base/errors.h"
 
 namespace torch_ipc {
 namespace {
@@ -34,13 +35,8 @@ struct Module {
   std::string error;  // non-empty: loading failed, do not retry
 };
 
-struct Modules {
-  std::mutex mu;
-  std::map<int, Module> by_device;
-};
-
-Modules& modules() {
-  static Modules* m = new Modules();  // outlives static destructors, as the driver's modules do
+PerDevice<Module>& modules() {
+  static auto* m = new PerDevice<Module>();
   return *m;
 }
 
@@ -65,24 +61,27 @@ Module load_module(int device) {
 }
 
 const Module& module_for(int device) {
-  Modules& all = modules();
+  PerDevice<Module>& all = modules();
   std::lock_guard<std::mutex> lock(all.mu);
-  auto it = all.by_device.find(device);
-  if (it == all.by_device.end()) it = all.by_device.emplace(device, load_module(device)).first;
-  return it->second;
+  return all.at(device, [device] { return load_module(device); });
 }
 
 }  // namespace
+
+size_t block_span(const std::vector<BlockSpan>& spans, int64_t id) {
+  auto after = std::upper_bound(spans.begin(), spans.end(), id,
+                                [](int64_t v, const BlockSpan& s) { return v < s.first; });
+  TORCH_IPC_CHECK_INDEX(after != spans.begin() && id - (after - 1)->first < (after - 1)->count,
+                        "torch_ipc: block id ", id, " is out of range of the KV pool's mapped blocks");
+  return static_cast<size_t>(after - 1 - spans.begin());
+}
 
 namespace {
 
 // The address of block `id`; spans are sorted by first id and adjacent.
 int64_t block_address(const std::vector<BlockSpan>& spans, int64_t id, int64_t block_bytes) {
-  auto after =
-      std::upper_bound(spans.begin(), spans.end(), id, [](int64_t v, const BlockSpan& s) { return v < s.first; });
-  TORCH_IPC_CHECK_INDEX(after != spans.begin() && id - (after - 1)->first < (after - 1)->count, "torch_ipc: block id ",
-                        id, " is out of range of the KV pool's mapped blocks");
-  return (after - 1)->base + (id - (after - 1)->first) * block_bytes;
+  const BlockSpan& span = spans[block_span(spans, id)];
+  return span.base + (id - span.first) * block_bytes;
 }
 
 }  // namespace

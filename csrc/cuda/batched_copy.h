@@ -33,6 +33,10 @@ struct BlockSpan {
   int64_t base;
 };
 
+// The index in `spans` (sorted by first id, adjacent) of the span holding
+// block `id`; an id outside every span is an InvalidIndex.
+size_t block_span(const std::vector<BlockSpan>& spans, int64_t id);
+
 // Fill `table` (n * k rows of 4 int64, k = ceil(block_bytes / item_bytes))
 // with the items that copy block ids[i] (found in `spans`) to the i-th
 // block-sized row of the buffer at `rows` (into_rows) or back. An id outside

@@ -1,7 +1,7 @@
 #include "cuda/cuda_driver.h"
 
 #include <atomic>
-#include <dlfcn.h>
+#include <cstddef>
 #include <mutex>
 
 #include <c10/util/Exception.h>
@@ -13,8 +13,33 @@ namespace torch_ipc {
 namespace {
 
 constexpr int kDriverAbi = 12000;  // entry points as of CUDA 12.0
+constexpr int kMemcpyBatchAbi = 12080;  // cuMemcpyBatchAsync with failIdx (Note [optional driver entry points])
+
+#if CUDA_VERSION >= 12080
+static_assert(sizeof(MemcpyAttributes) == sizeof(CUmemcpyAttributes) &&
+                  offsetof(MemcpyAttributes, src_location_type) == offsetof(CUmemcpyAttributes, srcLocHint) &&
+                  offsetof(MemcpyAttributes, dst_location_type) == offsetof(CUmemcpyAttributes, dstLocHint) &&
+                  sizeof(CUmemLocation) == 2 * sizeof(int) &&
+                  offsetof(MemcpyAttributes, flags) == offsetof(CUmemcpyAttributes, flags),
+              "MemcpyAttributes must match cuda.h's CUmemcpyAttributes");
+static_assert(kMemcpySrcAccessOrderStream == CU_MEMCPY_SRC_ACCESS_ORDER_STREAM &&
+                  kMemcpyPreferOverlapWithCompute == CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+              "cuMemcpyBatchAsync's constants must match cuda.h's");
+#endif
 
 using GetProcAddress = CUresult (*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
+
+// An entry point at ABI `version`, or null with `why` saying what the driver answered.
+void* optional_entry(GetProcAddress get_proc, const char* name, int version, std::string* why) {
+  void* fn = nullptr;
+  CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+  CUresult r = get_proc(name, &fn, version, CU_GET_PROC_ADDRESS_DEFAULT, &status);
+  if (r == CUDA_SUCCESS && status == CU_GET_PROC_ADDRESS_SUCCESS && fn != nullptr) return fn;
+  *why = std::string("the CUDA driver lacks ") + name + " (CUDA " + std::to_string(version / 1000) + "." +
+         std::to_string(version % 1000 / 10) + " or newer; cuGetProcAddress: CUresult " + std::to_string(r) +
+         ", status " + std::to_string(status) + ")";
+  return nullptr;
+}
 
 struct Loaded {
   DriverApi api;
@@ -48,6 +73,8 @@ Loaded load() {
   }
   TORCH_IPC_DRIVER_FUNCTIONS(TORCH_IPC_RESOLVE)
 #undef TORCH_IPC_RESOLVE
+  out.api.cuMemcpyBatchAsync = reinterpret_cast<MemcpyBatchAsync>(
+      optional_entry(get_proc, "cuMemcpyBatchAsync", kMemcpyBatchAbi, &out.api.cuMemcpyBatchAsync_missing));
   CUresult init = out.api.cuInit(0);
   if (init != CUDA_SUCCESS) {
     const char* name = nullptr;

@@ -2,9 +2,9 @@
 (Note [kv copies] in torch_ipc/kv/_copies.py): bit for bit what index_select
 gives, over pools of several chunks, blocks of sizes that are not multiples
 of 16 bytes, odd dtypes, buffers off alignment; the host does not wait; bad
-arguments are refused before anything is copied. Skipped without CUDA (the
-CPU side: test_kv.py, test_batched_copy.py)."""
-import ipc_test_utils as u
+arguments are refused before anything is copied (there and with a grown
+pool, on the copy-engine path too: the rest of it in test_kv_copy_engine.py).
+Skipped without CUDA (the CPU side: test_kv.py, test_batched_copy.py)."""
 import pytest
 import torch
 
@@ -111,16 +111,20 @@ def test_buffers_off_alignment_and_sources_off_the_device():
         assert u.bits(torch.stack([pool.block(4), pool.block(6)])) == u.bits(transposed)
 
 
-def test_a_grown_pool_is_addressed_through_its_new_chunk():
+@pytest.mark.parametrize("path", [KERNEL, "copy_engine"])
+def test_a_grown_pool_is_addressed_through_its_new_chunk(path, monkeypatch):
+    monkeypatch.setenv("TORCH_IPC_KV_COPY", path)
     gen = torch.Generator().manual_seed(u.new_seed())
     with _pool((3, 5), torch.int32, gen, blocks=4, per_chunk=4, max_blocks=10) as pool:
         pool.gather([1, 3])  # the chunks' addresses are cached now
         ids = pool.grow(6)
         src = u.random_tensor((6, 3, 5), torch.int32, gen, "cuda")
         pool.scatter(ids[::-1], src)
-        got = pool.gather([9, 0] + ids)
+        got = pool.gather([9, 0, 3, 4] + ids)  # 3, 4: adjacent ids in two chunks
+        assert pool.copy_path.split(" (")[0] == path
         torch.cuda.synchronize()
-        assert u.bits(got[2:]) == u.bits(src.flip(0)) and u.bits(got[1]) == u.bits(pool.block(0))
+        assert u.bits(got[4:]) == u.bits(src.flip(0)) and u.bits(got[1]) == u.bits(pool.block(0))
+        assert u.bits(got[2:4]) == u.bits(torch.stack([pool.block(3), pool.block(4)]))
 
 
 def test_the_host_does_not_wait_and_temporaries_are_ordered():
@@ -156,7 +160,10 @@ def test_the_host_does_not_wait_and_temporaries_are_ordered():
         assert u.bits(torch.stack([pool.block(i) for i in ids])) == u.bits(src)
 
 
-def test_bad_arguments_are_refused_before_anything_is_copied():
+@pytest.mark.parametrize("path", [KERNEL, "copy_engine"])
+def test_bad_arguments_are_refused_before_anything_is_copied(path, monkeypatch):
+    """On both paths that trust their addresses (Note [kv copies])."""
+    monkeypatch.setenv("TORCH_IPC_KV_COPY", path)
     gen = torch.Generator().manual_seed(u.new_seed())
     shape = (3, 5)
     with _pool(shape, torch.int16, gen, blocks=10, per_chunk=4) as pool:
@@ -181,4 +188,4 @@ def test_bad_arguments_are_refused_before_anything_is_copied():
         assert _snapshot(pool) == before and not good.any()
         assert pool.gather([]).shape == (0, *shape)
         pool.scatter([], good[:0])
-        assert pool.copy_path == KERNEL
+        assert pool.copy_path.split(" (")[0] == path

@@ -1,16 +1,27 @@
 """Gather and scatter: many blocks of a pool copied on the current stream,
-by one kernel launch or by index_select.
+by one kernel launch, by the GPU's copy engines, or by index_select.
 
 Note [kv copies]
-On a CUDA pool, gather() and scatter() are one launch of torch_ipc's batched
-copy kernel (torch_ipc/_batched_copy.py) over a table of the blocks' byte
-ranges, which keeps every SM busy with 16-byte loads; index_select over rows
-of the widest element (the fallback) reached ~0.78x of a device copy of the
-same bytes on an H100. The fallback serves CPU pools, GPUs or drivers the
-kernels do not load on, and ``TORCH_IPC_KV_COPY=index_select``;
-``pool.copy_path`` says which path the last gather/scatter took.
+On a CUDA pool, gather() and scatter() take one of three paths, chosen by
+``TORCH_IPC_KV_COPY`` (unset: the default of Note [kv copy default]);
+``pool.copy_path`` says which the last gather/scatter took:
+- ``kernel``: one launch of torch_ipc's batched copy kernel
+  (torch_ipc/_batched_copy.py) over a table of the blocks' byte ranges, which
+  keeps every SM busy with 16-byte loads.
+- ``copy_engine``: the blocks' byte ranges (adjacent ones merged) handed to
+  the GPU's copy engines in one cuMemcpyBatchAsync (CUDA 12.8 drivers on),
+  asking the driver to keep them off the SMs: slower alone than the kernel
+  may be, but it leaves the SMs to a model running beside it. A driver
+  without that call gets one cuMemcpyAsync per range
+  (``copy_engine (cuMemcpyAsync per range: why)``). csrc/cuda/copy_engine.cpp.
+- ``index_select`` (index_select/index_copy_ over rows of the widest
+  element): ~0.78x of a device copy of the same bytes on an H100. It serves
+  CPU pools, and the kernel path on GPUs or drivers the kernels do not load
+  on (``index_select (why)``).
+A value of ``TORCH_IPC_KV_COPY`` other than these three is a ValueError at
+the next gather/scatter, CPU pools included, before anything is copied.
 
-The kernel trusts the table's addresses, so:
+The kernel and the copy engines trust their addresses, so:
 - every id is bounds-checked (its min and max) before an address is formed,
   ``out``/``src`` are checked as for the fallback (shape, dtype, device,
   contiguous), and a chunk that is not one contiguous tensor is refused when
@@ -24,6 +35,10 @@ The kernel trusts the table's addresses, so:
   device. A GPU run showed it: a free after the first gather of a process,
   behind 0.1 s of queued work, found that work done. Later gathers of that
   size reuse the block and do not wait.
+- the copy engines' ranges are built in C++ from the same checked ids
+  (_C.copy_blocks_by_engine: every id found in a chunk before any address is
+  formed, Note [block items]) and handed to the driver, which reads them
+  during the call; nothing is staged. A range never crosses two chunks.
 - every tensor whose address is in the table lives as long as it would for
   an index_select queued on the current stream, which is all the kernel is
   to the allocators: the device table, and a ``src`` that scatter() moved to
@@ -51,6 +66,34 @@ from ._state import PoolState
 
 _INDEX_SELECT = "index_select"
 _KERNEL = "kernel"
+_COPY_ENGINE = "copy_engine"
+_METHODS = (_COPY_ENGINE, _KERNEL, _INDEX_SELECT)
+ENV = "TORCH_IPC_KV_COPY"
+
+# Note [kv copy default]
+# The path of a CUDA pool's gather/scatter when TORCH_IPC_KV_COPY is unset.
+# Measured with benchmarks/kv_bench.py (256 random 2 MiB blocks; rows
+# "gather"/"scatter" and "contention: ..."; card, commit):
+#   alone, vs a device copy:  kernel ?.??x  copy_engine ?.??x  index_select ?.??x
+#   beside a bf16 8192^3 matmul loop: matmul slowdown kernel ?.??x,
+#   copy_engine ?.??x, index_select ?.??x; copy time under load ?.??x, ?.??x, ?.??x
+# Until measured on a GPU: the kernel, as before the copy-engine path existed.
+DEFAULT_METHOD = _KERNEL
+
+# How the copy_engine path calls the driver; kv_bench.py turns them to compare.
+ENGINE_BATCH = True  # one cuMemcpyBatchAsync; False: one cuMemcpyAsync per range
+ENGINE_PREFER_OVERLAP = True  # CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE on the batch
+
+
+def copy_method() -> str:
+    """The path TORCH_IPC_KV_COPY asks for (DEFAULT_METHOD when unset or
+    empty); another value is a ValueError naming the valid ones."""
+    value = os.environ.get(ENV, "")
+    if value == "":
+        return DEFAULT_METHOD
+    if value not in _METHODS:
+        raise ValueError(f"torch_ipc: {ENV}={value!r} is not one of {', '.join(_METHODS)} (or unset)")
+    return value
 
 
 class BlockCopies:
@@ -65,6 +108,7 @@ class BlockCopies:
     def gather(self, ids: Ids, out: Optional[torch.Tensor]) -> torch.Tensor:
         s = self._state
         packed = pack(ids)
+        copy_method()  # a bad TORCH_IPC_KV_COPY is refused before anything is allocated or copied
         device = self._chunks.device()
         if out is None:
             out = torch.empty((len(packed), *s.block_shape), dtype=s.dtype, device=device)
@@ -78,9 +122,10 @@ class BlockCopies:
                 f"out must be a contiguous {s.dtype} tensor of shape {(len(packed), *s.block_shape)} "
                 f"on {s.device}"
             )
-        if self._path():
+        path = self._path()
+        if path != _INDEX_SELECT:
             if len(packed):
-                self._copy_blocks(packed, out, into_rows=True)
+                self._copy_by(path, packed, out, into_rows=True)
             return out
         for chunk, index, positions in self._index(packed):
             source, rows = self._rows(s.chunks[chunk], out)
@@ -97,30 +142,36 @@ class BlockCopies:
             raise ValueError(f"src must be a {s.dtype} tensor of shape {(len(packed), *s.block_shape)}")
         if len(set(packed)) != len(packed):
             raise ValueError("torch_ipc: scatter() into a block listed twice")
+        path = self._path()
         src = src.to(self._chunks.device()).contiguous()
-        if self._path():
+        if path != _INDEX_SELECT:
             if len(packed):
-                self._copy_blocks(packed, src, into_rows=False)
+                self._copy_by(path, packed, src, into_rows=False)
             return
         for chunk, index, positions in self._index(packed):
             target, rows = self._rows(s.chunks[chunk], src)
             target.index_copy_(0, index, rows if positions is None else rows[positions])
 
-    def _path(self) -> bool:
-        """Whether this gather/scatter runs the kernel; records the path in state.copy_path."""
-        why = self._why_not_kernel()
-        self._state.copy_path = f"{_INDEX_SELECT} ({why})" if why else _KERNEL
-        return not why
-
-    def _why_not_kernel(self) -> str:
-        """Why gather/scatter take the index_select path ("" when the kernel serves: Note [kv copies])."""
+    def _path(self) -> str:
+        """The path this gather/scatter takes (_COPY_ENGINE, _KERNEL or _INDEX_SELECT);
+        records it, with why it is not the one asked for, in state.copy_path."""
+        method = copy_method()
         device = self._state.device
         if device.type != "cuda":
-            return "CPU pool"
-        if os.environ.get("TORCH_IPC_KV_COPY", "") == _INDEX_SELECT:
-            return "TORCH_IPC_KV_COPY=index_select"
+            return self._record(_INDEX_SELECT, "CPU pool")
+        if method == _COPY_ENGINE:
+            ok, why = _C.memcpy_batch_available()
+            if not ENGINE_BATCH:
+                why = "ENGINE_BATCH is off"
+            return self._record(_COPY_ENGINE, "" if ok and ENGINE_BATCH else f"cuMemcpyAsync per range: {why}")
+        if method == _INDEX_SELECT:
+            return self._record(_INDEX_SELECT, f"{ENV}={_INDEX_SELECT}")
         ok, why = _batched_copy.kernels_available(device)
-        return "" if ok else why
+        return self._record(_KERNEL, "") if ok else self._record(_INDEX_SELECT, why)
+
+    def _record(self, path: str, why: str) -> str:
+        self._state.copy_path = f"{path} ({why})" if why else path
+        return path
 
     # ------------------------------------------------------------ the kernel
 
@@ -143,11 +194,18 @@ class BlockCopies:
         _C.fill_block_items(table, packed, self.spans(), block_bytes, rows.data_ptr(), into_rows, size)
         return table
 
-    def _copy_blocks(self, packed: array, rows: torch.Tensor, into_rows: bool) -> None:
-        """table()'s copy as one kernel launch on the current stream (Note [kv copies])."""
+    def _copy_by(self, path: str, packed: array, rows: torch.Tensor, into_rows: bool) -> None:
+        """Copy the blocks `packed` (not empty) into the rows of contiguous `rows` (gather) or
+        back (scatter) on the current stream, by the kernel or the copy engines (Note [kv copies])."""
         device = self._state.device
-        table = self.table(packed, rows, into_rows, pin=True, min_items=_batched_copy.sm_count(device))
-        _batched_copy.launch(_batched_copy.to_device(table, device), _batched_copy.COPY)
+        if path == _KERNEL:
+            table = self.table(packed, rows, into_rows, pin=True, min_items=_batched_copy.sm_count(device))
+            _batched_copy.launch(_batched_copy.to_device(table, device), _batched_copy.COPY)
+            return
+        self._chunks.check_ids(packed)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        _C.copy_blocks_by_engine(packed, self.spans(), self._state.block_bytes, rows.data_ptr(), into_rows, index,
+                                 ENGINE_BATCH, ENGINE_PREFER_OVERLAP)
 
     # ------------------------------------------------------ the index_select path
 

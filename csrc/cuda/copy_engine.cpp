@@ -1,0 +1,146 @@
+#include "cuda/copy_engine.h"
+
+#include <c10/util/Exception.h>
+
+#include <mutex>
+
+#include "base/errors.h"
+#include "cuda/cuda_context.h"
+#include "cuda/cuda_driver.h"
+#include "cuda/per_device.h"
+
+namespace torch_ipc {
+namespace {
+
+// Whether `next` starts where `last` ends, in both source and destination.
+bool continues(const CopyRange& last, const CopyRange& next) {
+  return last.src + last.bytes == next.src && last.dst + last.bytes == next.dst;
+}
+
+// Note [batch copies off the legacy stream]
+// cuMemcpyBatchAsync refuses the legacy default stream (CUDA_ERROR_INVALID_VALUE),
+// and that is torch's current stream unless the caller picked another. There
+// the batch runs on a non-blocking stream of ours, ordered both ways with
+// events: it waits for everything queued on the current stream before the
+// call, and what is queued there after waits for it. To the caching
+// allocators that is the batch queued on the current stream (Note [kv copies]
+// in torch_ipc/kv/_copies.py). One per device, kept for the process and used
+// under a mutex: each call records its two events again, and a wait takes the
+// record of its moment.
+struct SideStream {
+  CUstream stream = nullptr;
+  CUevent before = nullptr;  // the current stream's work so far
+  CUevent after = nullptr;   // the batch
+};
+
+PerDevice<SideStream>& side_streams() {
+  static auto* s = new PerDevice<SideStream>();
+  return *s;
+}
+
+// A new side stream and its events in the current context; nothing kept on failure.
+SideStream make_side_stream() {
+  SideStream s;
+  TORCH_IPC_CU(cuEventCreate, &s.before, CU_EVENT_DISABLE_TIMING);
+  CUresult r = driver().cuEventCreate(&s.after, CU_EVENT_DISABLE_TIMING);
+  if (r == CUDA_SUCCESS) r = driver().cuStreamCreate(&s.stream, CU_STREAM_NON_BLOCKING);
+  if (r != CUDA_SUCCESS) {
+    TORCH_IPC_CU_WARN(cuEventDestroy, s.before);
+    if (s.after != nullptr) TORCH_IPC_CU_WARN(cuEventDestroy, s.after);
+    throw_driver_error("cuStreamCreate", r, "torch_ipc: a stream for cuMemcpyBatchAsync");
+  }
+  return s;
+}
+
+bool is_special_stream(CUstream stream) {
+  return stream == nullptr || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD;
+}
+
+void copy_per_range(CUstream stream, const std::vector<CopyRange>& ranges) {
+  for (const CopyRange& r : ranges)
+    TORCH_IPC_CU(cuMemcpyAsync, static_cast<CUdeviceptr>(r.dst), static_cast<CUdeviceptr>(r.src),
+                 static_cast<size_t>(r.bytes), stream);
+}
+
+// One cuMemcpyBatchAsync of `ranges` on `stream` (not a special stream).
+void copy_batch(MemcpyBatchAsync batch, CUstream stream, const std::vector<CopyRange>& ranges,
+                bool prefer_overlap) {
+  std::vector<CUdeviceptr> dsts, srcs;
+  std::vector<size_t> sizes;
+  for (const CopyRange& r : ranges) {
+    dsts.push_back(static_cast<CUdeviceptr>(r.dst));
+    srcs.push_back(static_cast<CUdeviceptr>(r.src));
+    sizes.push_back(static_cast<size_t>(r.bytes));
+  }
+  MemcpyAttributes attrs{};  // location hints unset: they serve managed memory only
+  attrs.src_access_order = kMemcpySrcAccessOrderStream;
+  attrs.flags = prefer_overlap ? kMemcpyPreferOverlapWithCompute : 0u;
+  size_t first_with_attrs = 0;
+  size_t failed = ranges.size();
+  CUresult r = batch(dsts.data(), srcs.data(), sizes.data(), ranges.size(), &attrs, &first_with_attrs, 1,
+                     &failed, stream);
+  if (r != CUDA_SUCCESS)
+    throw_driver_error("cuMemcpyBatchAsync", r,
+                       "torch_ipc: a batch of " + std::to_string(ranges.size()) + " copies (copy " +
+                           std::to_string(failed) + " failed)");
+}
+
+// The batch on the side stream of `device`, ordered with `current` (Note [batch copies off the legacy stream]).
+void copy_batch_beside(int device, CUstream current, const std::vector<CopyRange>& ranges, bool prefer_overlap) {
+  PerDevice<SideStream>& all = side_streams();
+  std::lock_guard<std::mutex> lock(all.mu);
+  const SideStream& side = all.at(device, make_side_stream);
+  TORCH_IPC_CU(cuEventRecord, side.before, current);
+  TORCH_IPC_CU(cuStreamWaitEvent, side.stream, side.before, 0);
+  copy_batch(driver().cuMemcpyBatchAsync, side.stream, ranges, prefer_overlap);
+  TORCH_IPC_CU(cuEventRecord, side.after, side.stream);
+  TORCH_IPC_CU(cuStreamWaitEvent, current, side.after, 0);
+}
+
+}  // namespace
+
+std::vector<CopyRange> block_ranges(const int64_t* ids, size_t n, const std::vector<BlockSpan>& spans,
+                                    int64_t block_bytes, int64_t rows, bool into_rows) {
+  TORCH_IPC_CHECK_VALUE(block_bytes > 0, "torch_ipc: copy ranges for blocks of ", block_bytes, " bytes");
+  std::vector<size_t> where(n);
+  for (size_t i = 0; i < n; ++i) where[i] = block_span(spans, ids[i]);  // before any address is formed
+  std::vector<CopyRange> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const BlockSpan& span = spans[where[i]];
+    const int64_t block = span.base + (ids[i] - span.first) * block_bytes;
+    const int64_t row = rows + static_cast<int64_t>(i) * block_bytes;
+    const CopyRange next{into_rows ? block : row, into_rows ? row : block, block_bytes};
+    if (i > 0 && where[i] == where[i - 1] && continues(out.back(), next))
+      out.back().bytes += block_bytes;  // one allocation: a single copy may cross the blocks
+    else
+      out.push_back(next);
+  }
+  return out;
+}
+
+bool memcpy_batch_available(std::string* why_not) {
+  const DriverApi& d = driver();
+  if (why_not) *why_not = d.cuMemcpyBatchAsync_missing;
+  return d.cuMemcpyBatchAsync != nullptr;
+}
+
+EngineCall copy_ranges_by_engine(int device, const std::vector<CopyRange>& ranges, EngineCall call,
+                                 bool prefer_overlap) {
+  TORCH_IPC_CHECK_VALUE(call == EngineCall::Batch || call == EngineCall::PerRange,
+                        "torch_ipc: unknown copy engine call ", static_cast<int>(call));
+  const DriverApi& d = driver();
+  if (d.cuMemcpyBatchAsync == nullptr) call = EngineCall::PerRange;
+  if (ranges.empty()) return call;
+  ScopedContext scope(device);
+  CUstream current = current_stream(device);
+  if (call == EngineCall::PerRange)
+    copy_per_range(current, ranges);
+  else if (is_special_stream(current))
+    copy_batch_beside(device, current, ranges, prefer_overlap);
+  else
+    copy_batch(d.cuMemcpyBatchAsync, current, ranges, prefer_overlap);
+  return call;
+}
+
+}  // namespace torch_ipc
