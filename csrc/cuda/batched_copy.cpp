@@ -11,7 +11,6 @@
 #include "cuda/cuda_context.h"
 #include "cuda/cuda_driver.h"
 #include "cuda/per_device.h"
-#include "base/errors.h"
 
 namespace torch_ipc {
 namespace {
@@ -69,10 +68,10 @@ const Module& module_for(int device) {
 }  // namespace
 
 size_t block_span(const std::vector<BlockSpan>& spans, int64_t id) {
-  auto after = std::upper_bound(spans.begin(), spans.end(), id,
-                                [](int64_t v, const BlockSpan& s) { return v < s.first; });
-  TORCH_IPC_CHECK_INDEX(after != spans.begin() && id - (after - 1)->first < (after - 1)->count,
-                        "torch_ipc: block id ", id, " is out of range of the KV pool's mapped blocks");
+  auto after =
+      std::upper_bound(spans.begin(), spans.end(), id, [](int64_t v, const BlockSpan& s) { return v < s.first; });
+  TORCH_IPC_CHECK_INDEX(after != spans.begin() && id - (after - 1)->first < (after - 1)->count, "torch_ipc: block id ",
+                        id, " is out of range of the KV pool's mapped blocks");
   return static_cast<size_t>(after - 1 - spans.begin());
 }
 

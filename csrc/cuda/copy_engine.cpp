@@ -1,10 +1,11 @@
 #include "cuda/copy_engine.h"
 
-#include <c10/util/Exception.h>
-
 #include <mutex>
 
+#include <c10/util/Exception.h>
+
 #include "base/errors.h"
+
 #include "cuda/cuda_context.h"
 #include "cuda/cuda_driver.h"
 #include "cuda/per_device.h"
@@ -63,8 +64,7 @@ void copy_per_range(CUstream stream, const std::vector<CopyRange>& ranges) {
 }
 
 // One cuMemcpyBatchAsync of `ranges` on `stream` (not a special stream).
-void copy_batch(MemcpyBatchAsync batch, CUstream stream, const std::vector<CopyRange>& ranges,
-                bool prefer_overlap) {
+void copy_batch(MemcpyBatchAsync batch, CUstream stream, const std::vector<CopyRange>& ranges, bool prefer_overlap) {
   std::vector<CUdeviceptr> dsts, srcs;
   std::vector<size_t> sizes;
   for (const CopyRange& r : ranges) {
@@ -77,8 +77,8 @@ void copy_batch(MemcpyBatchAsync batch, CUstream stream, const std::vector<CopyR
   attrs.flags = prefer_overlap ? kMemcpyPreferOverlapWithCompute : 0u;
   size_t first_with_attrs = 0;
   size_t failed = ranges.size();
-  CUresult r = batch(dsts.data(), srcs.data(), sizes.data(), ranges.size(), &attrs, &first_with_attrs, 1,
-                     &failed, stream);
+  CUresult r =
+      batch(dsts.data(), srcs.data(), sizes.data(), ranges.size(), &attrs, &first_with_attrs, 1, &failed, stream);
   if (r != CUDA_SUCCESS)
     throw_driver_error("cuMemcpyBatchAsync", r,
                        "torch_ipc: a batch of " + std::to_string(ranges.size()) + " copies (copy " +

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <dlfcn.h>
 #include <mutex>
 
 #include <c10/util/Exception.h>
@@ -12,7 +13,7 @@
 namespace torch_ipc {
 namespace {
 
-constexpr int kDriverAbi = 12000;  // entry points as of CUDA 12.0
+constexpr int kDriverAbi = 12000;       // entry points as of CUDA 12.0
 constexpr int kMemcpyBatchAbi = 12080;  // cuMemcpyBatchAsync with failIdx (Note [optional driver entry points])
 
 #if CUDA_VERSION >= 12080

@@ -12,44 +12,44 @@ namespace torch_ipc {
 // and build without nvcc. Every driver entry point is looked up once, on first
 // use, through cuGetProcAddress with the ABI version we were written against
 // (kDriverAbi), so a newer cuda.h cannot silently change a signature under us.
-#define TORCH_IPC_DRIVER_FUNCTIONS(X)  \
-  X(cuInit)                            \
-  X(cuDriverGetVersion)                \
-  X(cuGetErrorName)                    \
-  X(cuGetErrorString)                  \
-  X(cuDeviceGet)                       \
-  X(cuDeviceGetCount)                  \
-  X(cuDeviceGetUuid)                   \
-  X(cuDevicePrimaryCtxRetain)          \
-  X(cuCtxGetCurrent)                   \
-  X(cuCtxPushCurrent)                  \
-  X(cuCtxPopCurrent)                   \
-  X(cuPointerGetAttributes)            \
-  X(cuIpcGetMemHandle)                 \
-  X(cuIpcOpenMemHandle)                \
-  X(cuIpcCloseMemHandle)               \
-  X(cuIpcGetEventHandle)               \
-  X(cuIpcOpenEventHandle)              \
-  X(cuEventCreate)                     \
-  X(cuEventRecord)                     \
-  X(cuEventQuery)                      \
-  X(cuEventSynchronize)                \
-  X(cuEventDestroy)                    \
-  X(cuStreamWaitEvent)                 \
-  X(cuStreamQuery)                     \
-  X(cuStreamCreate)                    \
-  X(cuMemcpyAsync)                     \
-  X(cuMemCreate)                       \
-  X(cuMemRelease)                      \
-  X(cuMemExportToShareableHandle)      \
-  X(cuMemImportFromShareableHandle)    \
-  X(cuMemAddressReserve)               \
-  X(cuMemAddressFree)                  \
-  X(cuMemMap)                          \
-  X(cuMemUnmap)                        \
-  X(cuMemSetAccess)                    \
-  X(cuMemGetAllocationGranularity)     \
-  X(cuMemRetainAllocationHandle)       \
+#define TORCH_IPC_DRIVER_FUNCTIONS(X)       \
+  X(cuInit)                                 \
+  X(cuDriverGetVersion)                     \
+  X(cuGetErrorName)                         \
+  X(cuGetErrorString)                       \
+  X(cuDeviceGet)                            \
+  X(cuDeviceGetCount)                       \
+  X(cuDeviceGetUuid)                        \
+  X(cuDevicePrimaryCtxRetain)               \
+  X(cuCtxGetCurrent)                        \
+  X(cuCtxPushCurrent)                       \
+  X(cuCtxPopCurrent)                        \
+  X(cuPointerGetAttributes)                 \
+  X(cuIpcGetMemHandle)                      \
+  X(cuIpcOpenMemHandle)                     \
+  X(cuIpcCloseMemHandle)                    \
+  X(cuIpcGetEventHandle)                    \
+  X(cuIpcOpenEventHandle)                   \
+  X(cuEventCreate)                          \
+  X(cuEventRecord)                          \
+  X(cuEventQuery)                           \
+  X(cuEventSynchronize)                     \
+  X(cuEventDestroy)                         \
+  X(cuStreamWaitEvent)                      \
+  X(cuStreamQuery)                          \
+  X(cuStreamCreate)                         \
+  X(cuMemcpyAsync)                          \
+  X(cuMemCreate)                            \
+  X(cuMemRelease)                           \
+  X(cuMemExportToShareableHandle)           \
+  X(cuMemImportFromShareableHandle)         \
+  X(cuMemAddressReserve)                    \
+  X(cuMemAddressFree)                       \
+  X(cuMemMap)                               \
+  X(cuMemUnmap)                             \
+  X(cuMemSetAccess)                         \
+  X(cuMemGetAllocationGranularity)          \
+  X(cuMemRetainAllocationHandle)            \
   X(cuMemGetAllocationPropertiesFromHandle) \
   X(cuCtxSynchronize)                       \
   X(cuMemsetD8Async)                        \
@@ -67,17 +67,17 @@ struct MemcpyAttributes {
   int src_location_id;
   int dst_location_type;  // dstLocHint
   int dst_location_id;
-  unsigned int flags;     // CUmemcpyFlags
+  unsigned int flags;  // CUmemcpyFlags
 };
 static_assert(sizeof(MemcpyAttributes) == 24, "CUmemcpyAttributes_v1 is 24 bytes");
-constexpr int kMemcpySrcAccessOrderStream = 0x1;      // CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+constexpr int kMemcpySrcAccessOrderStream = 0x1;           // CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 constexpr unsigned kMemcpyPreferOverlapWithCompute = 0x1;  // CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
 
 // cuMemcpyBatchAsync as the driver gives it for ABI 12080 (PFN_cuMemcpyBatchAsync_v12080:
 // with failIdx; CUDA 13's cuMemcpyBatchAsync_v2, ABI 13000, drops that argument).
 using MemcpyBatchAsync = CUresult (*)(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* sizes, size_t count,
-                                      MemcpyAttributes* attrs, size_t* attrs_idxs, size_t num_attrs,
-                                      size_t* fail_idx, CUstream stream);
+                                      MemcpyAttributes* attrs, size_t* attrs_idxs, size_t num_attrs, size_t* fail_idx,
+                                      CUstream stream);
 
 struct DriverApi {
 #define TORCH_IPC_DECLARE(name) decltype(&::name) name = nullptr;

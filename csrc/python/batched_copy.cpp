@@ -1,9 +1,12 @@
 // The batched copy kernels (cuda/batched_copy.h) and the copy-engine copies
 // (cuda/copy_engine.h); torch_ipc/_batched_copy.py is their Python face, used
 // by the kv and weights features.
-#include "base/errors.h"
 #include "cuda/batched_copy.h"
+
+#include "base/errors.h"
+
 #include "cuda/copy_engine.h"
+
 #include "python/bindings.h"
 
 namespace torch_ipc::python {
@@ -34,40 +37,49 @@ std::vector<BlockSpan> block_spans(const SpanTuples& spans) {
 }
 
 void bind_block_items(py::module_& m) {
-  m.def("fill_block_items", [](at::Tensor& table, py::buffer ids, const SpanTuples& spans, int64_t block_bytes,
-                               int64_t rows, bool into_rows, int64_t item_bytes) {
-    BlockIds held = block_ids(ids);
-    const size_t n = held.size();
-    const int64_t per_block = item_bytes > 0 ? (block_bytes + item_bytes - 1) / item_bytes : 0;
-    TORCH_IPC_CHECK_VALUE(table.device().is_cpu() && table.scalar_type() == at::kLong && table.is_contiguous() &&
-                              table.dim() == 2 && table.size(1) == 4 &&
-                              table.size(0) == static_cast<int64_t>(n) * per_block,
-                          "torch_ipc: a block item table must be a contiguous CPU int64 tensor [", n * per_block,
-                          ", 4]");
-    fill_block_items(table.data_ptr<int64_t>(), held.first(), n, block_spans(spans), block_bytes, rows, into_rows,
-                     item_bytes);
-  }, py::arg("table"), py::arg("ids"), py::arg("spans"), py::arg("block_bytes"), py::arg("rows"),
-     py::arg("into_rows"), py::arg("item_bytes"));
+  m.def(
+      "fill_block_items",
+      [](at::Tensor& table, py::buffer ids, const SpanTuples& spans, int64_t block_bytes, int64_t rows, bool into_rows,
+         int64_t item_bytes) {
+        BlockIds held = block_ids(ids);
+        const size_t n = held.size();
+        const int64_t per_block = item_bytes > 0 ? (block_bytes + item_bytes - 1) / item_bytes : 0;
+        TORCH_IPC_CHECK_VALUE(
+            table.device().is_cpu() && table.scalar_type() == at::kLong && table.is_contiguous() && table.dim() == 2 &&
+                table.size(1) == 4 && table.size(0) == static_cast<int64_t>(n) * per_block,
+            "torch_ipc: a block item table must be a contiguous CPU int64 tensor [", n * per_block, ", 4]");
+        fill_block_items(table.data_ptr<int64_t>(), held.first(), n, block_spans(spans), block_bytes, rows, into_rows,
+                         item_bytes);
+      },
+      py::arg("table"), py::arg("ids"), py::arg("spans"), py::arg("block_bytes"), py::arg("rows"), py::arg("into_rows"),
+      py::arg("item_bytes"));
 }
 
 void bind_copy_engine(py::module_& m) {
-  m.def("block_copy_ranges", [](py::buffer ids, const SpanTuples& spans, int64_t block_bytes, int64_t rows,
-                                bool into_rows) {
-    BlockIds held = block_ids(ids);
-    std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
-    for (const CopyRange& r : block_ranges(held.first(), held.size(), block_spans(spans), block_bytes, rows, into_rows))
-      out.emplace_back(r.src, r.dst, r.bytes);
-    return out;
-  }, py::arg("ids"), py::arg("spans"), py::arg("block_bytes"), py::arg("rows"), py::arg("into_rows"));
-  m.def("copy_blocks_by_engine", [](py::buffer ids, const SpanTuples& spans, int64_t block_bytes, int64_t rows,
-                                    bool into_rows, int device, bool batch, bool prefer_overlap) {
-    BlockIds held = block_ids(ids);
-    std::vector<CopyRange> ranges = block_ranges(held.first(), held.size(), block_spans(spans), block_bytes, rows, into_rows);
-    EngineCall call = copy_ranges_by_engine(device, ranges, batch ? EngineCall::Batch : EngineCall::PerRange,
-                                            prefer_overlap);
-    return call == EngineCall::Batch;
-  }, py::arg("ids"), py::arg("spans"), py::arg("block_bytes"), py::arg("rows"), py::arg("into_rows"),
-     py::arg("device"), py::arg("batch"), py::arg("prefer_overlap"));
+  m.def(
+      "block_copy_ranges",
+      [](py::buffer ids, const SpanTuples& spans, int64_t block_bytes, int64_t rows, bool into_rows) {
+        BlockIds held = block_ids(ids);
+        std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
+        for (const CopyRange& r :
+             block_ranges(held.first(), held.size(), block_spans(spans), block_bytes, rows, into_rows))
+          out.emplace_back(r.src, r.dst, r.bytes);
+        return out;
+      },
+      py::arg("ids"), py::arg("spans"), py::arg("block_bytes"), py::arg("rows"), py::arg("into_rows"));
+  m.def(
+      "copy_blocks_by_engine",
+      [](py::buffer ids, const SpanTuples& spans, int64_t block_bytes, int64_t rows, bool into_rows, int device,
+         bool batch, bool prefer_overlap) {
+        BlockIds held = block_ids(ids);
+        std::vector<CopyRange> ranges =
+            block_ranges(held.first(), held.size(), block_spans(spans), block_bytes, rows, into_rows);
+        EngineCall call =
+            copy_ranges_by_engine(device, ranges, batch ? EngineCall::Batch : EngineCall::PerRange, prefer_overlap);
+        return call == EngineCall::Batch;
+      },
+      py::arg("ids"), py::arg("spans"), py::arg("block_bytes"), py::arg("rows"), py::arg("into_rows"),
+      py::arg("device"), py::arg("batch"), py::arg("prefer_overlap"));
   m.def("memcpy_batch_available", []() {
     std::string why;
     bool ok = memcpy_batch_available(&why);

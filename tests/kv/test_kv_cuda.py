@@ -5,6 +5,7 @@ of 16 bytes, odd dtypes, buffers off alignment; the host does not wait; bad
 arguments are refused before anything is copied (there and with a grown
 pool, on the copy-engine path too: the rest of it in test_kv_copy_engine.py).
 Skipped without CUDA (the CPU side: test_kv.py, test_batched_copy.py)."""
+import ipc_test_utils as u
 import pytest
 import torch
 

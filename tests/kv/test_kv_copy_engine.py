@@ -8,11 +8,11 @@ The choice of path: TORCH_IPC_KV_COPY parsed, junk refused. Bad arguments
 and a grown pool on this path: test_kv_cuda.py (parametrized by path)."""
 from array import array
 
+import ipc_test_utils as u
 import pytest
 import torch
-
-import ipc_test_utils as u
 from test_kv_cuda import LAYOUTS, _index_select_gather, _pool, _pool_bytes, _rows_as_bytes
+
 from torch_ipc import _C
 from torch_ipc.kv import SharedKVPool, _copies
 
