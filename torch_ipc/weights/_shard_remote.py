@@ -67,31 +67,14 @@ def _itemsizes(sources: Mapping[str, List[Tuple[int, Held]]]) -> Dict[str, int]:
 IN_FLIGHT = 2  # rounds in flight: packing or unpacking one overlaps the transfer of the other
 
 
-def _rounds_of(ends: Sequence[int], limit: int) -> List[List[int]]:
-    """Consecutive buckets grouped into rounds of at most `limit` bytes (a
-    bucket larger than that alone): the buckets of one round are one
-    ``batch`` (one NCCL group: one launch, no gap between the buckets).
-    Both sides compute it from the same plan (Note [sharded rounds])."""
-    out: List[List[int]] = []
-    used = limit
-    for k, n in enumerate(ends):
-        if used + n > limit:
-            out.append([])
-            used = 0
-        out[-1].append(k)
-        used += n
-    return out
-
-
 class _Schedule:
-    """One side's rounds per peer, and where each staged bucket of a round
-    lands in that peer's staging: IN_FLIGHT buffers, each as large as the
-    most bytes this side stages in one round (at most ``bucket_bytes``, the
-    round's own bound); a bucket sent or received in place stages nothing."""
+    """One side's rounds per peer (round r: bucket r; Note [sharded rounds]),
+    and where each staged bucket lands in that peer's staging: IN_FLIGHT
+    buffers, each as large as the largest bucket this side stages; a bucket
+    sent or received in place stages nothing."""
 
-    def __init__(self, ends: Sequence[Sequence[int]], direct: Sequence[Sequence[Any]], limit: int,
-                 device: torch.device):
-        self.rounds = [_rounds_of(e, limit) for e in ends]
+    def __init__(self, ends: Sequence[Sequence[int]], direct: Sequence[Sequence[Any]], device: torch.device):
+        self.rounds = [[[k] for k in range(len(e))] for e in ends]
         self.at: List[Dict[int, Tuple[int, int]]] = []  # per peer: bucket -> (slot, byte offset)
         self.staging: List[List[torch.Tensor]] = []
         for rounds, sizes, inplace in zip(self.rounds, ends, direct):
@@ -173,7 +156,7 @@ class Sender:
 
         # per peer, per bucket: the snapshot's bytes to send in place, or the copies into staging
         self.direct = [[_as_bytes(source(b[0])) if len(b) == 1 else None for b in plan] for plan in self.plans]
-        self.schedule = _Schedule(self.ends, self.direct, bucket, next(iter(views.values())).device)
+        self.schedule = _Schedule(self.ends, self.direct, next(iter(views.values())).device)
         self.packs = [[None if direct[k] is not None else
                        BatchedCopy([(source(p), _piece_view(self.schedule.buffer(i, k, self.ends[i][k]), p,
                                                             views[p.name].dtype)) for p in b])
@@ -250,7 +233,7 @@ class Receiver:
             return _as_bytes(dsts[0]) if len(dsts) == 1 and dsts[0].dtype == dtypes[b[0].name] else None
 
         self.direct = [[in_place(b) for b in plan_] for plan_ in self.plans]
-        self.schedule = _Schedule(self.ends, self.direct, bucket, device)
+        self.schedule = _Schedule(self.ends, self.direct, device)
         self.unpacks = [[None if direct[k] is not None else
                          BatchedCopy([(_piece_view(self.schedule.buffer(i, k, self.ends[i][k]), p, dtypes[p.name]), d)
                                       for p in b for d in landings(p)]) for k, b in enumerate(plan_)]
