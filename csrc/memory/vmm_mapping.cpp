@@ -1,8 +1,10 @@
-// Driver queries about VMM mappings (cuPointerGetAttributes, cuMemGetAddressRange).
+// Driver queries about VMM mappings (cuPointerGetAttributes, cuMemGetAddressRange),
+// and access to them from another device (cuMemSetAccess).
 #include "memory/vmm_mapping.h"
 
 #include "base/errors.h"
 
+#include "cuda/cuda_context.h"
 #include "cuda/cuda_driver.h"
 
 namespace torch_ipc {
@@ -34,6 +36,22 @@ MappedChunk chunk_at(CUdeviceptr p) {
                                                         : "the driver reports no mapping at this address"));
   }
   return c;
+}
+
+void grant_device_access(CUdeviceptr p, size_t size, int device) {
+  ScopedContext scope(device);
+  CUdevice dev;
+  TORCH_IPC_CU(cuDeviceGet, &dev, device);
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = dev;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const CUdeviceptr end = p + size;
+  while (p < end) {
+    const MappedChunk c = chunk_at(p);
+    TORCH_IPC_CU(cuMemSetAccess, c.base, c.size, &access, 1);
+    p = c.base + c.size;
+  }
 }
 
 }  // namespace torch_ipc

@@ -18,6 +18,12 @@ struct MappedChunk {
 // Throws InvalidUse (RuntimeError) that says why when no VMM mapping holds p.
 MappedChunk chunk_at(CUdeviceptr p);
 
+// Let `device` read and write every VMM mapping that holds part of
+// [p, p + size): a kernel on a peer GPU reads an imported snapshot in place
+// (Note [peer reads of a snapshot] in torch_ipc/weights/_shard_local.py).
+// The mappings' other devices keep their access.
+void grant_device_access(CUdeviceptr p, size_t size, int device);
+
 // The message for memory that neither legacy IPC nor VMM can share, ending
 // with `why` (the driver's refusal).
 std::string vmm_not_shareable(const std::string& why);

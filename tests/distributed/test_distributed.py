@@ -336,9 +336,13 @@ def _cuda_relay_round_trip(trainer, relay, sub, backend: str, last: int, seed: i
     expected.update(trainer.call(dh.trainer_publish, last - 1, seed=seed))
     seen = sub.result()
     assert max(seen) == last and all(seen[v] == expected[v]["float32"] for v in seen)
-    trainer.call(dh.trainer_close)
+    # Both close at once: NCCL's destroy_process_group returns only once every
+    # rank of the group on this host has destroyed its communicator too
+    # (Note [closing a group] in relay.py); here both "nodes" share one host.
+    trainer.start_call(dh.trainer_close)
     assert relay.result() == last
     relay.call(dh.relay_close)
+    trainer.result()
 
 
 def _cuda_kv_round_trip(sender, receiver, backend: str, seed: int) -> None:
@@ -354,8 +358,10 @@ def _cuda_kv_round_trip(sender, receiver, backend: str, seed: int) -> None:
     got = receiver.result()
     row = len(data) // len(ids)
     assert got["bytes"] == b"".join(data[ids.index(i) * row : (ids.index(i) + 1) * row] for i in order)
+    for peer in (sender, receiver):  # at once, as the relay's close (Note [closing a group] in relay.py)
+        peer.start_call(dh.kv_close)
     for peer in (sender, receiver):
-        peer.call(dh.kv_close)
+        peer.result()
 
 
 @pytest.mark.cuda
@@ -377,3 +383,19 @@ def test_nccl_weights_and_kv_blocks_on_two_gpus():
         sub = group.get("sub", env={"CUDA_VISIBLE_DEVICES": "1"})
         _cuda_relay_round_trip(trainer, relay, sub, "nccl", last=3, seed=12)
         _cuda_kv_round_trip(trainer, relay, "nccl", seed=13)
+
+
+@pytest.mark.gpus(2)
+def test_nccl_trainer_closes_after_its_relay_was_killed():
+    """A relay killed while it waits for the next version: the trainer's
+    Publisher.close() and destroy_process_group() still return."""
+    with PeerGroup(timeout=TIMEOUT) as group:
+        trainer = group.get("trainer", env={"CUDA_VISIBLE_DEVICES": "0"})
+        relay = group.get("relay", env={"CUDA_VISIBLE_DEVICES": "1"})
+        url, (address, key) = dh.group_url(), wh.listener_address()
+        trainer.start_call(dh.trainer_start, url, 2, device="cuda", backend="nccl")
+        relay.call(dh.relay_start, url, 1, 2, address, key, backend="nccl")
+        relay.start_call(dh.relay_serve)
+        trainer.result()
+        relay.kill(signal.SIGKILL)
+        trainer.call(dh.trainer_close)

@@ -486,3 +486,40 @@ def test_dead_subscriber_is_forgotten_by_a_direct_publish(ipc_peer, ipc_peers):
     ipc_peer.close()
     assert pub.call(h.pub_publish) == (3, 0)
     pub.call(h.pub_close)
+
+
+@pytest.mark.parametrize("case", ["columns", "strided source", "whole", "3-d block"])
+def test_byte_runs_cover_a_strided_copy_exactly(case):
+    """The runs a strided copy becomes for the copy kernel, replayed with
+    memmove on CPU tensors: the same bytes as torch's copy_, nothing else written."""
+    import ctypes
+
+    from torch_ipc.weights._copy import MIN_RUN_BYTES, byte_runs
+
+    big = torch.arange(4 * 64 * 512, dtype=torch.float32).view(4, 64, 512)
+    where = {"columns": lambda d: d[:, 256:], "strided source": lambda d: d, "whole": lambda d: d,
+             "3-d block": lambda d: d[:, 4:36, 32:288]}[case]
+    src, dst_full = {
+        "columns": (big[0, :, :256].contiguous(), torch.zeros(64, 512)),
+        "strided source": (big[1, :, 128:], torch.zeros(64, 384)),
+        "whole": (big[2], torch.zeros(64, 512)),
+        "3-d block": (big[:, 8:40, 64:320], torch.zeros(4, 40, 512)),
+    }[case]
+    dst = where(dst_full)
+    runs = byte_runs(src, dst)
+    assert runs is not None
+    src_at, dst_at, nbytes = runs
+    assert nbytes >= MIN_RUN_BYTES and len(src_at) == len(dst_at) == src.numel() * 4 // nbytes
+    for s, d in zip(src_at.tolist(), dst_at.tolist()):
+        ctypes.memmove(d, s, nbytes)
+    want = torch.zeros_like(dst_full)
+    where(want).copy_(src)
+    assert torch.equal(dst_full, want)
+
+
+def test_byte_runs_refuse_short_runs_and_overlapping_destinations():
+    from torch_ipc.weights._copy import byte_runs
+
+    src = torch.zeros(64, 8)
+    assert byte_runs(src, torch.zeros(64, 16)[:, :8]) is None  # 32-byte runs
+    assert byte_runs(torch.zeros(4, 256), torch.zeros(1, 256).expand(4, 256)) is None

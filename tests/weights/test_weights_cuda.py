@@ -63,6 +63,26 @@ def test_batched_f32_to_bf16_matches_torch_bitwise(misalign):
         assert torch.equal(s.to(torch.bfloat16).view(torch.int16), d.view(torch.int16))
 
 
+def test_batched_copy_of_strided_slices_runs_on_the_kernel():
+    """Column slices (a row-split engine weight) and a strided source are one
+    launch of contiguous runs; short runs stay with torch; both bit for bit."""
+    gen = torch.Generator().manual_seed(secrets.randbits(31))
+    src = torch.randn(300, 1024, generator=gen).to("cuda", torch.bfloat16)
+    dst = torch.zeros(300, 2048, dtype=torch.bfloat16, device="cuda")
+    narrow = torch.zeros(300, 8, dtype=torch.bfloat16, device="cuda")
+    pairs = [(src, dst[:, 512:1536]), (src[:, 256:768], dst[:, 1536:]), (src[:, :8], narrow)]
+    copy = BatchedCopy(pairs[:2])
+    assert copy.path == "kernel" and copy.launches == 1, copy.why_foreach
+    copy.run()
+    mixed = BatchedCopy(pairs[2:])
+    assert mixed.path == "foreach" and "short" in mixed.why_foreach
+    mixed.run()
+    torch.cuda.synchronize()
+    for s, d in pairs:
+        assert torch.equal(s.view(torch.int16), d.view(torch.int16))
+    assert not dst[:, :512].any()
+
+
 def test_foreach_fallback_gives_the_same_bytes(monkeypatch):
     gen = torch.Generator().manual_seed(secrets.randbits(31))
     pairs = _pairs_in_flat_buffers([5, 70000], torch.float32, torch.bfloat16, gen)

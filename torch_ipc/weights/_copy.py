@@ -1,15 +1,19 @@
 """BatchedCopy: a fixed list of (source, destination) tensor pairs, grouped
 once into a few launches; ``run()`` is those launches and nothing else.
 
-Same-dtype pairs on one GPU go through one launch of torch_ipc's copy kernel,
-fp32 -> bf16 pairs through one launch of its conversion kernel (Note [batched
-copy kernels] in csrc/cuda/batched_copy.cpp, torch_ipc/_batched_copy.py);
-everything else (other conversions, non-contiguous destinations, CPU tensors,
-two GPUs) through one ``torch._foreach_copy_``. ``path`` says which ran.
+Same-dtype pairs on one GPU go through one launch of torch_ipc's copy kernel
+(strided ones as their contiguous runs of at least MIN_RUN_BYTES: a column
+slice is one run per row), fp32 -> bf16 contiguous pairs through one launch
+of its conversion kernel (Note [batched copy kernels] in
+csrc/cuda/batched_copy.cpp, torch_ipc/_batched_copy.py); a source on another
+GPU too when the caller made it readable there (``peer_sources``: Note [peer
+reads of a snapshot] in _shard_local.py). Everything else (other
+conversions, short runs, CPU tensors) goes through one
+``torch._foreach_copy_``. ``path`` says which ran.
 """
 
 import os
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,29 +33,61 @@ def kernels_available(device: torch.device) -> Tuple[bool, str]:
     return _batched_copy.kernels_available(device)
 
 
+MIN_RUN_BYTES = 512  # a strided pair with shorter contiguous runs is left to torch
+MAX_RUNS = 1 << 22  # runs of one launch (its table: 32 bytes each)
+
+
+def byte_runs(src: torch.Tensor, dst: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor, int]]:
+    """The contiguous runs that copy `src` into `dst` (same shape and dtype):
+    (source addresses, destination addresses, bytes per run), built with
+    tensor ops; None when a run is shorter than MIN_RUN_BYTES (and not the
+    whole pair), there are more than MAX_RUNS, or `dst` overlaps itself."""
+    dims = [(n, a, b) for n, a, b in zip(src.shape, src.stride(), dst.stride()) if n != 1]
+    if any(b == 0 for _, _, b in dims):
+        return None
+    inner = 1
+    while dims and dims[-1][1] == inner and dims[-1][2] == inner:
+        inner *= dims.pop()[0]
+    size = src.element_size()
+    if dims and (inner * size < MIN_RUN_BYTES or src.numel() // inner > MAX_RUNS):
+        return None
+    s_off = d_off = torch.zeros(1, dtype=torch.int64)
+    for n, a, b in dims:
+        i = torch.arange(n, dtype=torch.int64)
+        s_off = (s_off[:, None] + i * a).reshape(-1)
+        d_off = (d_off[:, None] + i * b).reshape(-1)
+    return src.data_ptr() + s_off * size, dst.data_ptr() + d_off * size, inner * size
+
+
 def item_table(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], kind: int, device: torch.device) -> torch.Tensor:
     """The [n, 4] int64 table {src, dst, count, 0} of one launch, on `device`:
-    each pair cut into items of at most ITEM_BYTES of source (count in bytes
-    for a copy, in elements for a conversion), built with tensor ops (no loop
-    per item)."""
+    each pair (each contiguous run of it, for a copy) cut into items of at
+    most ITEM_BYTES of source (count in bytes for a copy, in elements for a
+    conversion), built with tensor ops (no loop per item)."""
     if kind == _COPY:
-        counts = torch.tensor([s.numel() * s.element_size() for s, _ in pairs], dtype=torch.int64)
+        runs = [byte_runs(s, d) for s, d in pairs]
+        src = torch.cat([r[0] for r in runs])
+        dst = torch.cat([r[1] for r in runs])
+        counts = torch.cat([torch.full((len(r[0]),), r[2], dtype=torch.int64) for r in runs])
         chunk, src_step, dst_step = _batched_copy.ITEM_BYTES, 1, 1
     else:
         counts = torch.tensor([s.numel() for s, _ in pairs], dtype=torch.int64)
         chunk, src_step, dst_step = _batched_copy.ITEM_BYTES // 4, 4, 2
-    src = torch.tensor([s.data_ptr() for s, _ in pairs], dtype=torch.int64)
-    dst = torch.tensor([d.data_ptr() for _, d in pairs], dtype=torch.int64)
+        src = torch.tensor([s.data_ptr() for s, _ in pairs], dtype=torch.int64)
+        dst = torch.tensor([d.data_ptr() for _, d in pairs], dtype=torch.int64)
     return _batched_copy.split_into_items(src, dst, counts, chunk, src_step, dst_step).to(device)
 
 
 class BatchedCopy:
-    """Copies ``pairs`` (source, destination), same number of elements each,
-    source contiguous. Built once; keeps every tensor alive so the addresses in
-    its tables stay valid."""
+    """Copies ``pairs`` (source, destination), same number of elements each;
+    a source on another GPU than its destination is read there in place when
+    ``peer_sources`` (the caller has made it readable from the destination's
+    GPU). Built once; keeps every tensor alive so the addresses in its
+    tables stay valid."""
 
-    def __init__(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]):
-        self._pairs = [(s, d) for s, d in pairs if s.numel() > 0]
+    def __init__(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], peer_sources: bool = False):
+        self._pairs = [(s if s.shape == d.shape else s.view(d.shape), d) for s, d in pairs if s.numel() > 0]
+        self._peer_sources = peer_sources
         self._launches: List[Tuple[torch.Tensor, int]] = []
         fallback = []
         groups = {}
@@ -67,23 +103,24 @@ class BatchedCopy:
         for (kind, device), group in groups.items():
             self._launches.append((item_table(group, kind, device), kind))
         self._dst = [d for _, d in fallback]
-        self._src = [s.view(d.shape) for s, d in fallback]
+        self._src = [s for s, _ in fallback]
         self.bytes = sum(s.numel() * s.element_size() for s, _ in self._pairs)
         self.launches = len(self._launches) + (1 if fallback else 0)
         kinds = (["kernel"] if self._launches else []) + (["foreach"] if fallback else [])
         self.path = "+".join(kinds) or "empty"
         self.why_foreach = why
 
-    @staticmethod
-    def _kernel_fits(src: torch.Tensor, dst: torch.Tensor) -> Tuple[bool, str]:
-        if src.device != dst.device:
+    def _kernel_fits(self, src: torch.Tensor, dst: torch.Tensor) -> Tuple[bool, str]:
+        if src.device != dst.device and not (self._peer_sources and src.is_cuda and dst.is_cuda):
             return False, f"{src.device} -> {dst.device}"
         ok, why = kernels_available(dst.device)
         if not ok:
             return False, why
+        if src.dtype == dst.dtype:
+            return (True, "") if byte_runs(src, dst) is not None else (False, "short strided runs")
         if not (src.is_contiguous() and dst.is_contiguous()):
-            return False, "a non-contiguous tensor"
-        if src.dtype == dst.dtype or (src.dtype == torch.float32 and dst.dtype == torch.bfloat16):
+            return False, "a non-contiguous conversion"
+        if src.dtype == torch.float32 and dst.dtype == torch.bfloat16:
             return True, ""
         return False, f"{src.dtype} -> {dst.dtype}"
 

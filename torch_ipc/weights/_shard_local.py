@@ -1,11 +1,25 @@
 """One node: an engine rank reads every trainer rank's snapshot where it is
 (torch_ipc descriptors, zero-copy) and copies its intersections into its own
-tensors, only when all of them hold the same version."""
+tensors, only when all of them hold the same version.
+
+Note [peer reads of a snapshot]
+A trainer rank's snapshot on another GPU than the engine rank's is mapped
+here for its own GPU only (cuMemSetAccess at import). Copying it with
+torch (one copy_ per intersection, a peer memcpy each, a strided one through
+a temporary) reached half of the peer-copy floor. Where the two GPUs can
+reach each other (NVLink, PCIe P2P), the engine grants its own GPU access to
+the mapping once (_C.vmm_grant_device_access) and the plan's copies, strided
+ones as their contiguous runs, become one launch of the batched copy kernel
+on the engine's GPU, reading the peer's memory in place. Ordering is the
+local pull's: the engine's stream waits for each trainer's publish event
+before the launch, and records each done event after it.
+"""
 
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
+from .. import _C
 from . import _control as ctl
 from ._copy import BatchedCopy
 from ._layout import typed_view
@@ -78,6 +92,7 @@ class LocalShards:
         except BaseException:
             self.close()
             raise
+        self._granted: Dict[tuple, bool] = {}
         self.ranks = list(held_by_rank)  # self.subs[i] is trainer rank self.ranks[i]
         self.views: Dict[int, Dict[str, torch.Tensor]] = {}
         for rank, sub in zip(self.ranks, self.subs):
@@ -87,7 +102,27 @@ class LocalShards:
 
     def plan(self, into: Any, wants: Mapping[str, Take], strict: bool) -> "LocalPull":
         dest = named_tensors(into, "the model pulled into")
-        return LocalPull(ShardPlan(self.sources, dest, wants, strict), self.views)
+        plan = ShardPlan(self.sources, dest, wants, strict)
+        devices = {c.into.device for c in plan.copies}
+        peers = len(devices) == 1 and all(self._readable_from(sub, next(iter(devices))) for sub in self.subs)
+        return LocalPull(plan, self.views, peers)
+
+    def _readable_from(self, sub: Subscriber, device: torch.device) -> bool:
+        """Whether a kernel on `device` may read `sub`'s snapshot (Note [peer
+        reads of a snapshot]): same GPU, or a peer GPU granted access here."""
+        src = sub._buffer.device
+        if device.type != "cuda" or src.type != "cuda" or src == device:
+            return True
+        key = (id(sub), device.index)
+        if key not in self._granted:
+            ok = torch.cuda.can_device_access_peer(device.index, src.index)
+            if ok:
+                try:
+                    _C.vmm_grant_device_access(sub._buffer, device.index)
+                except RuntimeError:
+                    ok = False  # not a VMM mapping, or the driver refused: copies through torch
+            self._granted[key] = ok
+        return self._granted[key]
 
     def pull(self, pull: "LocalPull", newer_than: int, deadline: float) -> int:
         version = enter_all(self.subs, newer_than, deadline)
@@ -114,9 +149,9 @@ class LocalShards:
 class LocalPull:
     """The copies of one (trainer layout, engine model) pair, batched once."""
 
-    def __init__(self, plan: ShardPlan, views: Mapping[int, Mapping[str, torch.Tensor]]):
+    def __init__(self, plan: ShardPlan, views: Mapping[int, Mapping[str, torch.Tensor]], peers: bool):
         self.plan = plan
         pairs = [(views[c.rank][c.name][c.src], c.into[c.dst]) for c in plan.copies]
-        self.copy = BatchedCopy(pairs)
+        self.copy = BatchedCopy(pairs, peer_sources=peers)
         devices = {c.into.device for c in plan.copies}
         self.device = devices.pop() if len(devices) == 1 else torch.device("cpu")

@@ -10,7 +10,7 @@ from ._errors import WeightsMismatchError
 from ._shard_layout import Box, Held, Part, Take, intersect, parts_of, relative, volume
 
 MAX_PIECES = 1 << 22  # pieces of one (trainer, engine) pair in one version (Note [counts from a peer])
-ALONE_BYTES = 256 << 10  # a piece this large gets a bucket of its own (sent and received in place when it can)
+ALONE_BYTES = 256 << 10  # a piece this large gets a bucket of its own, in place when it can (Note [sharded rounds])
 
 
 class Copy(NamedTuple):

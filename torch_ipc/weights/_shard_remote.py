@@ -2,7 +2,7 @@
 intersections it needs, point to point through a Transport, in bounded
 buckets (Note [sharded weights] in sharded.py)."""
 
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple
 
 import torch
 
@@ -64,17 +64,37 @@ def _itemsizes(sources: Mapping[str, List[Tuple[int, Held]]]) -> Dict[str, int]:
     return {name: torch.empty(0, dtype=rows[0][1].dtype).element_size() for name, rows in sources.items()}
 
 
-IN_FLIGHT = 2  # rounds of buckets in flight: packing or unpacking one overlaps the transfer of the other
+IN_FLIGHT = 2  # rounds in flight: packing or unpacking one overlaps the transfer of the other
 
 
-def _staging(plans: Sequence[List[List[Piece]]], itemsize: Mapping[str, int], device: torch.device):
-    """Per peer, IN_FLIGHT buffers of its largest staged bucket (bounded by
-    the bytes this rank sends or wants of that peer)."""
-    out = []
-    for plan in plans:
-        size = max((p.offset + volume(p.box) * itemsize[p.name] for bucket in plan for p in bucket), default=0)
-        out.append([torch.empty(size, dtype=torch.uint8, device=device) for _ in range(IN_FLIGHT)])
-    return out
+class _Schedule:
+    """One side's rounds per peer (round r: bucket r; Note [sharded rounds]),
+    and where each staged bucket lands in that peer's staging: IN_FLIGHT
+    buffers, each as large as the largest bucket this side stages; a bucket
+    sent or received in place stages nothing."""
+
+    def __init__(self, ends: Sequence[Sequence[int]], direct: Sequence[Sequence[Any]], device: torch.device):
+        self.rounds = [[[k] for k in range(len(e))] for e in ends]
+        self.at: List[Dict[int, Tuple[int, int]]] = []  # per peer: bucket -> (slot, byte offset)
+        self.staging: List[List[torch.Tensor]] = []
+        for rounds, sizes, inplace in zip(self.rounds, ends, direct):
+            at, most = {}, 0
+            for r, ks in enumerate(rounds):
+                used = 0
+                for k in ks:
+                    if inplace[k] is None:
+                        at[k] = (r % IN_FLIGHT, used)
+                        used += -(-sizes[k] // 256) * 256
+                most = max(most, used)
+            self.at.append(at)
+            self.staging.append([torch.empty(most, dtype=torch.uint8, device=device) for _ in range(IN_FLIGHT)])
+
+    def buffer(self, peer: int, k: int, nbytes: int) -> torch.Tensor:
+        slot, offset = self.at[peer][k]
+        return self.staging[peer][slot][offset : offset + nbytes]
+
+    def count(self) -> int:
+        return max((len(r) for r in self.rounds), default=0)
 
 
 def _as_bytes(view: torch.Tensor):
@@ -83,17 +103,24 @@ def _as_bytes(view: torch.Tensor):
     return view.reshape(-1).view(torch.uint8) if view.is_contiguous() else None
 
 
-def _rounds(plans: Sequence[List[List[Piece]]], post, finish) -> None:
-    """Bucket k of every peer in round k, IN_FLIGHT rounds in flight:
-    ``post(k)`` starts round k (returns its works), ``finish(k, works)``
-    waits for them."""
+def _run_rounds(schedule: _Schedule, post, finish) -> None:
+    """Round r of every peer, IN_FLIGHT rounds in flight: ``post(r)`` starts
+    round r (returns its works), ``finish(r, works)`` waits for them."""
     pending: List[Tuple[int, List[Any]]] = []
-    for k in range(max((len(p) for p in plans), default=0)):
+    for r in range(schedule.count()):
         if len(pending) == IN_FLIGHT:
             finish(*pending.pop(0))
-        pending.append((k, post(k)))
-    for k, works in pending:
-        finish(k, works)
+        pending.append((r, post(r)))
+    for r, works in pending:
+        finish(r, works)
+
+
+def _round_buckets(schedule: _Schedule, r: int) -> Iterator[Tuple[int, int]]:
+    """(peer, bucket) of round r, peer by peer."""
+    for i, rounds in enumerate(schedule.rounds):
+        if r < len(rounds):
+            for k in rounds[r]:
+                yield i, k
 
 
 def _piece_view(staging: torch.Tensor, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
@@ -121,7 +148,6 @@ class Sender:
         itemsize = _itemsizes(sources)
         self.transport, self.engines = transport, list(engines)
         self.plans = [buckets(list(pair_boxes(w, sources, me)), itemsize, bucket) for w in wants]
-        self.staging = _staging(self.plans, itemsize, next(iter(views.values())).device)
         self.ends = _ends(self.plans, itemsize)
         boxes = {h.name: h.box for h in held}
 
@@ -130,10 +156,12 @@ class Sender:
 
         # per peer, per bucket: the snapshot's bytes to send in place, or the copies into staging
         self.direct = [[_as_bytes(source(b[0])) if len(b) == 1 else None for b in plan] for plan in self.plans]
+        self.schedule = _Schedule(self.ends, self.direct, next(iter(views.values())).device)
         self.packs = [[None if direct[k] is not None else
-                       BatchedCopy([(source(p), _piece_view(staging[k % IN_FLIGHT], p, views[p.name].dtype))
-                                    for p in b]) for k, b in enumerate(plan)]
-                      for plan, staging, direct in zip(self.plans, self.staging, self.direct)]
+                       BatchedCopy([(source(p), _piece_view(self.schedule.buffer(i, k, self.ends[i][k]), p,
+                                                            views[p.name].dtype)) for p in b])
+                       for k, b in enumerate(plan)]
+                      for i, (plan, direct) in enumerate(zip(self.plans, self.direct))]
 
     def send(self, version: int) -> None:
         """Send `version` (already in the snapshot) to every engine rank."""
@@ -143,18 +171,17 @@ class Sender:
                                 headers):
             _dist.finish(work, header)
 
-        def post(k: int) -> List[Any]:
+        def post(r: int) -> List[Any]:
             ops = []
-            for i, plan in enumerate(self.plans):
-                if k < len(plan):
-                    data = self.direct[i][k]
-                    if data is None:
-                        self.packs[i][k].run()
-                        data = self.staging[i][k % IN_FLIGHT][: self.ends[i][k]]
-                    ops.append(("send", data, self.engines[i]))
+            for i, k in _round_buckets(self.schedule, r):
+                data = self.direct[i][k]
+                if data is None:
+                    self.packs[i][k].run()
+                    data = self.schedule.buffer(i, k, self.ends[i][k])
+                ops.append(("send", data, self.engines[i]))
             return self.transport.batch(ops)
 
-        _rounds(self.plans, post, lambda k, works: [w.wait() for w in works])
+        _run_rounds(self.schedule, post, lambda r, works: [w.wait() for w in works])
 
 
 def _ends(plans: Sequence[List[List[Piece]]], itemsize: Mapping[str, int]) -> List[List[int]]:
@@ -190,7 +217,6 @@ class Receiver:
         self.plans = [buckets(list(pair_boxes(mine_wants[me], sources, t)), itemsize, bucket)
                       for t in range(len(trainers))]
         device = next(iter(dest.values())).device if dest else torch.device("cpu")
-        self.staging = _staging(self.plans, itemsize, device)
         self.ends = _ends(self.plans, itemsize)
         dtypes = {n: rows[0][1].dtype for n, rows in sources.items()}
         by_name: Dict[str, List[Tuple[torch.Tensor, Part]]] = {}
@@ -207,10 +233,11 @@ class Receiver:
             return _as_bytes(dsts[0]) if len(dsts) == 1 and dsts[0].dtype == dtypes[b[0].name] else None
 
         self.direct = [[in_place(b) for b in plan_] for plan_ in self.plans]
+        self.schedule = _Schedule(self.ends, self.direct, device)
         self.unpacks = [[None if direct[k] is not None else
-                         BatchedCopy([(_piece_view(staging[k % IN_FLIGHT], p, dtypes[p.name]), d)
+                         BatchedCopy([(_piece_view(self.schedule.buffer(i, k, self.ends[i][k]), p, dtypes[p.name]), d)
                                       for p in b for d in landings(p)]) for k, b in enumerate(plan_)]
-                        for plan_, staging, direct in zip(self.plans, self.staging, self.direct)]
+                        for i, (plan_, direct) in enumerate(zip(self.plans, self.direct))]
         self.version = 0
 
     def pull(self) -> int:
@@ -227,23 +254,22 @@ class Receiver:
                 raise ValueError(f"torch_ipc.weights: trainer {rank} sent header {[magic, v, n]} (expected version "
                                  f"{version} > {self.version} in {len(plan)} buckets); the group is out of step")
 
-        def post(k: int) -> List[Any]:
+        def post(r: int) -> List[Any]:
             ops = []
-            for i, plan in enumerate(self.plans):
-                if k < len(plan):
-                    data = self.direct[i][k]
-                    if data is None:
-                        data = self.staging[i][k % IN_FLIGHT][: self.ends[i][k]]
-                    ops.append(("recv", data, self.trainers[i]))
+            for i, k in _round_buckets(self.schedule, r):
+                data = self.direct[i][k]
+                if data is None:
+                    data = self.schedule.buffer(i, k, self.ends[i][k])
+                ops.append(("recv", data, self.trainers[i]))
             return self.transport.batch(ops)
 
-        def finish(k: int, works: List[Any]) -> None:
+        def finish(r: int, works: List[Any]) -> None:
             for work in works:
                 work.wait()
-            for i, plan in enumerate(self.plans):
-                if k < len(plan) and self.unpacks[i][k] is not None:
+            for i, k in _round_buckets(self.schedule, r):
+                if self.unpacks[i][k] is not None:
                     self.unpacks[i][k].run()
 
-        _rounds(self.plans, post, finish)
+        _run_rounds(self.schedule, post, finish)
         self.version = version
         return version

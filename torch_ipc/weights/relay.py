@@ -32,6 +32,16 @@ new group, then ``broadcast_to(new_group)`` on the trainer and
 ``rejoin(new_group)`` on the surviving relays (their subscribers notice
 nothing) while the restarted one constructs its Relay. Where another
 transport would plug in: Note [cross-node transport] in torch_ipc/_dist.py.
+
+Note [closing a group]
+``Publisher.close()`` broadcasts a CLOSE header (the relays' ``serve()``
+returns) and leaves the group to its owner, as ``Relay.close()`` does. With
+NCCL, ``destroy_process_group()`` on one rank returns only once every rank
+of the group on the same host has destroyed its communicator as well (NCCL
+tears down what the ranks of one host share together): a trainer and a relay
+on one machine (a test, a benchmark) must close and destroy concurrently,
+each in its own process, not one after the other's return. Ranks on other
+hosts do not hold it up, and a rank that died no longer counts.
 """
 
 import threading

@@ -32,12 +32,28 @@ concatenated). Nothing needs the full tensor anywhere:
   intersections, cut into pieces of at most ``bucket_bytes``, packed into
   buckets. Each version: a header per pair (MAGIC, version, buckets), then
   rounds in which every trainer sends its k-th bucket to every engine at
-  once (all sources in parallel, no rank-0 broadcast); staging is one bucket
-  per peer. The engine checks that every trainer sends the same version,
-  newer than its last; a failure half way leaves its tensors with a partial
+  once (all sources in parallel, no rank-0 broadcast; Note [sharded
+  rounds]); staging is two buckets per peer. The engine checks that every
+  trainer sends the same version, newer than its last; a failure half way leaves its tensors with a partial
   update (say so, as bucketed mode does). A dead member breaks a
   torch.distributed group: form a new one and construct Sender / Receiver
   again (each has no state beyond its plan), as for the relay.
+
+Note [sharded rounds]
+Round r moves bucket r of every (trainer, engine) pair, all pairs in one
+``batch`` (with NCCL one group call); two rounds are in flight (packing or
+unpacking one overlaps the transfer of the other). Both sides compute the
+buckets from the same plan, so the k-th send of a pair meets the k-th
+receive. A piece of 256 KiB or more is a bucket of its own, sent from the
+snapshot and received into the engine tensor in place when both sides are
+contiguous; smaller pieces are packed. Measured on two H100s (NVLink, NCCL,
+a 1.5 GB bf16 model of 105 tensors, 64 MiB buckets), against one raw send of
+the same bytes (4.2 ms): this schedule 7.3-8.9 ms (57%-48% over two runs);
+the same buckets grouped several to a round (one group call) 11.2 ms; every
+piece packed into full buckets, staged on both sides, 7.6 ms. What remains
+is NCCL's cost per operation of a pair (about 30 us each, 105 here), not
+bytes; fewer, larger operations need the engine's tensors to be one
+allocation, or a staging buffer of the whole model.
 """
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
