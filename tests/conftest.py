@@ -32,6 +32,9 @@ def pytest_configure(config):
     if hasattr(config, "workerinput") or _SCRATCH_KEY in os.environ:
         return  # an xdist worker (or a nested run): the controller set it up
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    # torch's own caches (torch.compile's, which DTensor tests reach) stay
+    # where torch keeps them: they are torch's, not something the suite left.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{os.getuid()}"))
     scratch = tempfile.mkdtemp(prefix="suite-tmp.")
     os.environ["TMPDIR"] = os.environ[_SCRATCH_KEY] = scratch
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
