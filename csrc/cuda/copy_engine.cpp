@@ -1,14 +1,11 @@
 #include "cuda/copy_engine.h"
 
-#include <mutex>
-
 #include <c10/util/Exception.h>
 
 #include "base/errors.h"
 
 #include "cuda/cuda_context.h"
 #include "cuda/cuda_driver.h"
-#include "cuda/per_device.h"
 
 namespace torch_ipc {
 namespace {
@@ -20,39 +17,13 @@ bool continues(const CopyRange& last, const CopyRange& next) {
 
 // Note [batch copies off the legacy stream]
 // cuMemcpyBatchAsync refuses the legacy default stream (CUDA_ERROR_INVALID_VALUE),
-// and that is torch's current stream unless the caller picked another. There
-// the batch runs on a non-blocking stream of ours, ordered both ways with
-// events: it waits for everything queued on the current stream before the
-// call, and what is queued there after waits for it. To the caching
-// allocators that is the batch queued on the current stream (Note [kv copies]
-// in torch_ipc/kv/_copies.py). One per device, kept for the process and used
-// under a mutex: each call records its two events again, and a wait takes the
-// record of its moment.
-struct SideStream {
-  CUstream stream = nullptr;
-  CUevent before = nullptr;  // the current stream's work so far
-  CUevent after = nullptr;   // the batch
-};
-
-PerDevice<SideStream>& side_streams() {
-  static auto* s = new PerDevice<SideStream>();
-  return *s;
-}
-
-// A new side stream and its events in the current context; nothing kept on failure.
-SideStream make_side_stream() {
-  SideStream s;
-  TORCH_IPC_CU(cuEventCreate, &s.before, CU_EVENT_DISABLE_TIMING);
-  CUresult r = driver().cuEventCreate(&s.after, CU_EVENT_DISABLE_TIMING);
-  if (r == CUDA_SUCCESS) r = driver().cuStreamCreate(&s.stream, CU_STREAM_NON_BLOCKING);
-  if (r != CUDA_SUCCESS) {
-    TORCH_IPC_CU_WARN(cuEventDestroy, s.before);
-    if (s.after != nullptr) TORCH_IPC_CU_WARN(cuEventDestroy, s.after);
-    throw_driver_error("cuStreamCreate", r, "torch_ipc: a stream for cuMemcpyBatchAsync");
-  }
-  return s;
-}
-
+// and that is torch's current stream unless the caller picked another. A batch
+// on a non-blocking stream of ours, ordered both ways with events, made the
+// host wait for the current stream (2 x H100, driver 580, 2026-11-26: the
+// ordering test of tests/kv/test_kv_copy_engine.py found the stream idle after
+// the calls). So on the legacy stream the copies go one cuMemcpyAsync per range,
+// which that test found ordered and asynchronous there; torch_ipc/kv/_copies.py
+// says so in pool.copy_path.
 bool is_special_stream(CUstream stream) {
   return stream == nullptr || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD;
 }
@@ -83,18 +54,6 @@ void copy_batch(MemcpyBatchAsync batch, CUstream stream, const std::vector<CopyR
     throw_driver_error("cuMemcpyBatchAsync", r,
                        "torch_ipc: a batch of " + std::to_string(ranges.size()) + " copies (copy " +
                            std::to_string(failed) + " failed)");
-}
-
-// The batch on the side stream of `device`, ordered with `current` (Note [batch copies off the legacy stream]).
-void copy_batch_beside(int device, CUstream current, const std::vector<CopyRange>& ranges, bool prefer_overlap) {
-  PerDevice<SideStream>& all = side_streams();
-  std::lock_guard<std::mutex> lock(all.mu);
-  const SideStream& side = all.at(device, make_side_stream);
-  TORCH_IPC_CU(cuEventRecord, side.before, current);
-  TORCH_IPC_CU(cuStreamWaitEvent, side.stream, side.before, 0);
-  copy_batch(driver().cuMemcpyBatchAsync, side.stream, ranges, prefer_overlap);
-  TORCH_IPC_CU(cuEventRecord, side.after, side.stream);
-  TORCH_IPC_CU(cuStreamWaitEvent, current, side.after, 0);
 }
 
 }  // namespace
@@ -134,10 +93,9 @@ EngineCall copy_ranges_by_engine(int device, const std::vector<CopyRange>& range
   if (ranges.empty()) return call;
   ScopedContext scope(device);
   CUstream current = current_stream(device);
+  if (is_special_stream(current)) call = EngineCall::PerRange;  // Note [batch copies off the legacy stream]
   if (call == EngineCall::PerRange)
     copy_per_range(current, ranges);
-  else if (is_special_stream(current))
-    copy_batch_beside(device, current, ranges, prefer_overlap);
   else
     copy_batch(d.cuMemcpyBatchAsync, current, ranges, prefer_overlap);
   return call;

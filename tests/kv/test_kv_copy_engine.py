@@ -3,7 +3,7 @@
 the ranges handed to the driver, checked and run on the CPU here; on a GPU,
 bit for bit what index_select gives, through one cuMemcpyBatchAsync and
 through one cuMemcpyAsync per range, on torch's default stream (where the
-batch runs on a stream of ours ordered with events) and on another stream.
+copies go per range) and on another stream.
 The choice of path: TORCH_IPC_KV_COPY parsed, junk refused. Bad arguments
 and a grown pool on this path: test_kv_cuda.py (parametrized by path)."""
 from array import array
@@ -97,21 +97,24 @@ CALLS = ["batch", "per_range"]
 
 
 @pytest.fixture(params=CALLS)
-def engine(request, monkeypatch):
+def engine(request, monkeypatch, stream):
     """TORCH_IPC_KV_COPY=copy_engine, through one batch or one copy per range;
-    the copy_path each gives."""
+    the copy_path each gives (on the legacy default stream: per range, Note
+    [batch copies off the legacy stream] in csrc/cuda/copy_engine.cpp)."""
     monkeypatch.setenv(_copies.ENV, ENGINE)
     monkeypatch.setattr(_copies, "ENGINE_BATCH", request.param == "batch")
     if request.param == "per_range":
         return PER_RANGE
     ok, why = _C.memcpy_batch_available()
+    if ok and stream.cuda_stream == 0:
+        ok, why = False, _copies.LEGACY_STREAM
     return ENGINE if ok else f"copy_engine (cuMemcpyAsync per range: {why})"
 
 
 @pytest.fixture(params=["default_stream", "side_stream"])
 def stream(request):
-    """Where the calls are queued: torch's default stream (the legacy one: the
-    batch goes through a stream of ours) or a stream of torch's pool."""
+    """Where the calls are queued: torch's default stream (the legacy one,
+    where the copies go per range) or a stream of torch's pool."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     return torch.cuda.default_stream() if request.param == "default_stream" else torch.cuda.Stream()
@@ -158,9 +161,8 @@ def test_scatter_writes_exactly_its_blocks(shape, dtype, engine, stream):
 @cuda
 def test_ordered_with_the_current_stream_both_ways_without_the_host_waiting(engine, stream):
     """Behind a busy stream: the copies see the writes queued before them
-    and not those queued after (on the default stream the batch runs on a
-    stream of ours: its events order it, Note [batch copies off the legacy
-    stream]), and the host does not wait for any of it."""
+    and not those queued after, and the host does not wait for any of it
+    (Note [batch copies off the legacy stream])."""
     gen = torch.Generator().manual_seed(u.new_seed())
     shape = (4, 1000)
     with _pool(shape, torch.uint8, gen, blocks=12, per_chunk=5) as pool:
