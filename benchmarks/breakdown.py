@@ -67,7 +67,7 @@ def dumps_steps(tensors, reps):
         t0 = time.perf_counter_ns()
         parts = _serialize.split(tensors)
         t1 = time.perf_counter_ns()
-        sent = _serialize.export(*parts)
+        sent = _serialize.export_parts(*parts)
         t2 = time.perf_counter_ns()
         _ = sent.data
         t3 = time.perf_counter_ns()

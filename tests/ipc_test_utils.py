@@ -394,7 +394,7 @@ def crafted_descriptor(pickled: bytes, tensors=()) -> bytes:
     from torch_ipc import _serialize
 
     HELD.setdefault("crafted", []).append(list(tensors))
-    return _serialize.export(list(tensors), [], _serialize._PICKLED + pickled, consumers=2**32 - 1).data
+    return _serialize.export_parts(list(tensors), [], _serialize._PICKLED + pickled, consumers=2**32 - 1).data
 
 
 def pickled_descriptor(marker: str, shape=(4,)) -> bytes:
@@ -408,7 +408,7 @@ def pickled_descriptor(marker: str, shape=(4,)) -> bytes:
     t = torch.zeros(shape, dtype=torch.int64)
     HELD["bait"] = t
     payload = _serialize._PICKLED + pickle.dumps(PickleMarker(marker))
-    return _serialize.export([t], [False], payload, consumers=2**32 - 1).data
+    return _serialize.export_parts([t], [False], payload, consumers=2**32 - 1).data
 
 
 def plant_as_uid(uid: int, path: str, content: bytes, mode: int = 0o666) -> int:

@@ -251,7 +251,7 @@ def export_object(obj: Any, parts=None, *, consumers: Optional[int] = 1, isolate
     elif type(consumers) is not int or consumers < 1:
         raise ValueError(f"consumers must be None or an int of at least 1, not {consumers!r}")
     tensors, parameters, payload = parts if parts is not None else split(obj)
-    return export(tensors, parameters, payload, consumers=consumers, isolated=isolated,
+    return export_parts(tensors, parameters, payload, consumers=consumers, isolated=isolated,
                   while_referenced=while_referenced)
 
 
@@ -329,7 +329,7 @@ def plain_pickle(payload: bytes):
     return memoryview(payload)[1:]
 
 
-def export(tensors, parameters, payload: bytes, *, consumers: int = 1, isolated: bool = False,
+def export_parts(tensors, parameters, payload: bytes, *, consumers: int = 1, isolated: bool = False,
            while_referenced: bool = False) -> "_C.Export":
     """Export what :func:`split` returned: an ``_C.Export`` whose ``.data`` is
     the descriptor, and whose ``revoke()`` gives back what nobody will load."""
@@ -399,7 +399,7 @@ def loads(data: bytes, *, weights_only: bool) -> Any:
 
 def export_single_tensor(tensor: torch.Tensor, *, consumers: int) -> "_C.Export":
     """Export one tensor as a descriptor that :func:`load_single_tensor` takes."""
-    return export([tensor], [False], _SINGLE, consumers=consumers)
+    return export_parts([tensor], [False], _SINGLE, consumers=consumers)
 
 
 def load_single_tensor(data: bytes) -> torch.Tensor:

@@ -216,8 +216,6 @@ class PidfdCache {
     for (const Key& key : gone) forget(key);
   }
 
-  size_t size() const { return fds_.size(); }
-
  private:
   std::list<Key> order_;  // most recently used first
   std::map<Key, std::pair<int, std::list<Key>::iterator>> fds_;
@@ -274,11 +272,6 @@ bool process_alive(const ProcessId& p) { return check_process(p).life != Life::D
 void forget_exited_processes() {
   std::lock_guard<std::mutex> lock(pidfds_mu);
   pidfds->forget_exited();
-}
-
-size_t cached_pidfd_count() {
-  std::lock_guard<std::mutex> lock(pidfds_mu);
-  return pidfds->size();
 }
 
 }  // namespace torch_ipc

@@ -62,7 +62,4 @@ bool process_alive(const ProcessId& p);
 // when asked about that process again).
 void forget_exited_processes();
 
-// How many pidfds are cached (at most 32: Note [bounded pidfd cache] in process.cpp).
-size_t cached_pidfd_count();
-
 }  // namespace torch_ipc

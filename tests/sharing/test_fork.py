@@ -120,7 +120,7 @@ def test_forked_child_never_releases_the_parents_hold():
 @needs_fork
 def test_forked_child_dropping_a_shared_tensor_keeps_the_parents_segment():
     x = torch.arange(1000.0)
-    key = _serialize.export(*_serialize.split(x), consumers=1)
+    key = _serialize.export_parts(*_serialize.split(x), consumers=1)
     d = key.data
     with Peer(timeout=TIMEOUT) as consumer:
         consumer.call(u.load, "x", d)

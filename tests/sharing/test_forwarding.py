@@ -37,7 +37,7 @@ def _relay_one(d):
 
 def _export(obj, consumers=1):
     """An _C.Export: its .data is what torch_ipc.dumps(obj) returns."""
-    return _serialize.export(*_serialize.split(obj), consumers=consumers)
+    return _serialize.export_parts(*_serialize.split(obj), consumers=consumers)
 
 
 def _live(exports):
