@@ -39,9 +39,11 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import torch_ipc  # noqa: E402
+try:  # the installed torch_ipc, else the one of this checkout (built in place)
+    import torch_ipc
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import torch_ipc
 from torch_ipc.mp import _ring  # noqa: E402
 
 AUTHKEY = b"channel-bench"
