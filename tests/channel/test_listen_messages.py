@@ -84,3 +84,14 @@ def test_a_refused_client_warning_points_at_the_caller_and_names_the_peer():
     assert len(refused) == 1
     assert refused[0].filename == __file__
     assert str(refused[0].message).startswith(f"torch_ipc: refused a client (pid {child.pid}): ")
+
+
+@pytest.mark.parametrize("bad, what", [(b"", "empty bytes"), ("secret", "str"), (0, "int")])
+@pytest.mark.parametrize("caller", ["listen", "Listener", "connect", "Client"])
+def test_a_bad_authkey_is_said_once_naming_the_entry_point(tmp_path, caller, bad, what):
+    path = str(tmp_path / "x.sock")
+    entry = getattr(torch_ipc, caller)
+    with pytest.raises(TypeError) as e:
+        entry(path, authkey=bad)
+    assert str(e.value) == f"torch_ipc.{caller}: authkey must be non-empty bytes, not {what}"
+    assert not os.path.exists(path)  # checked before anything is bound or connected

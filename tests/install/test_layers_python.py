@@ -7,7 +7,8 @@ The Python package is layered as csrc/ is (Note [layers] in csrc/README.md),
 lowest first:
   base      _C (the extension), errors, _build_info, _torch_check, _cuda
             (device arguments), _process (is that process alive),
-            _batched_copy (the batched copy kernels, for kv and weights)
+            _batched_copy (the batched copy kernels, for kv and weights),
+            _closing (the with/close/__del__ base)
   runtime   _runtime: the collector thread, the exit hook, fork handling
   memory    pool (SharedPool), ipc_event: kinds of memory and events
   core      _weights_only: what a weights_only load allows (the checks);
@@ -28,7 +29,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "torch_ipc"
 
 LAYERS = [
-    ("base", ["_C", "errors", "_build_info", "_torch_check", "_cuda", "_process", "_batched_copy"]),
+    ("base", ["_C", "errors", "_build_info", "_torch_check", "_cuda", "_process", "_batched_copy", "_closing"]),
     ("runtime", ["_runtime"]),
     ("memory", ["pool", "ipc_event"]),
     ("core", ["_weights_only", "_serialize", "_export"]),

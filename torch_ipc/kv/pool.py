@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .. import _C, _runtime
+from .._closing import Closeable
 from .._cuda import cuda_device_index
 from . import _registry, _segment
 from ._chunks import Chunks
@@ -28,7 +29,7 @@ from ._ownership import Ownership
 from ._state import PoolState
 
 
-class SharedKVPool:
+class SharedKVPool(Closeable):
     """A paged KV cache pool that several processes map, with block ownership.
 
     The owner creates it; other processes attach by loading its pickle (send
@@ -343,18 +344,6 @@ class SharedKVPool:
             return
         _registry.unregister(state.name, self)
         self._lifetime.close()
-
-    def __enter__(self) -> "SharedKVPool":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def _load_pool(name: str, pid: int, start_time: int) -> SharedKVPool:

@@ -37,9 +37,19 @@ import struct
 import sys
 import threading
 from multiprocessing import connection as mpc
-from typing import Callable, Optional, Tuple, Union
+from typing import Any, Optional, Protocol, Tuple, Union
 
 Address = Union[str, tuple]
+
+
+class Handshake(Protocol):
+    """The handshake of a connection, in two steps: authenticate() runs under
+    the deadline, connection() after it (connection.py's _ServerHandshake)."""
+
+    def authenticate(self, conn: mpc.Connection) -> Any: ...
+
+    def connection(self, conn: mpc.Connection, peer: Any) -> Any: ...
+
 
 _MAX_PENDING = 64  # connections in handshake or waiting in the queue
 _ACCEPT_POLL_S = 0.5  # how often the acceptor looks whether the listener was closed
@@ -183,13 +193,13 @@ class SocketListener:
 
 class Handshakes:
     """Authenticate connections concurrently (Note [concurrent handshakes]).
-    ``authenticate(conn)`` returns the peer's pid or raises; its result goes
-    to ``make(conn, pid)``, whose result accept() returns."""
+    ``handshake.authenticate(conn)`` returns the peer's process or raises,
+    within the deadline; ``handshake.connection(conn, peer)`` makes what
+    accept() returns."""
 
-    def __init__(self, listener: SocketListener, authenticate: Callable, make: Callable, timeout: float):
+    def __init__(self, listener: SocketListener, handshake: "Handshake", timeout: float):
         self._listener = listener
-        self._authenticate = authenticate
-        self._make = make
+        self._handshake_steps = handshake
         self._timeout = timeout
         self._results: "queue.Queue[Tuple[str, object]]" = queue.Queue()
         self._slots = threading.BoundedSemaphore(_MAX_PENDING)
@@ -241,14 +251,14 @@ class Handshakes:
         conn = mpc.Connection(sock.detach())
         deadline = _Deadline(conn, self._timeout)
         try:
-            pid = self._authenticate(conn)
+            pid = self._handshake_steps.authenticate(conn)
             if not deadline.finish():
                 raise TimeoutError("the handshake passed its deadline")
             if self._listener.closed:
                 conn.close()
                 self._slots.release()
                 return
-            self._results.put(("ok", self._make(conn, pid)))
+            self._results.put(("ok", self._handshake_steps.connection(conn, pid)))
         except BaseException as e:  # noqa: BLE001  (reported by accept(), in its caller's thread)
             timed_out = not deadline.finish()
             conn.close()

@@ -19,6 +19,7 @@ from multiprocessing import connection as mpc
 from typing import Any, List, Optional, Tuple, Union
 
 from .. import _C, _process, _runtime, _serialize
+from .._closing import Closeable
 from ..errors import InFlightLimitError
 from . import _flow, _listener, _ring
 
@@ -75,7 +76,7 @@ def _check_peers() -> None:
 _runtime.on_collect(_check_peers)
 
 
-class Connection:
+class Connection(Closeable):
     """One end of a torch_ipc connection: ``send(obj)``, ``recv()``, ``close()``.
 
     ``max_bytes_in_flight`` (None: no bound) bounds the bytes of tensors this
@@ -221,18 +222,6 @@ class Connection:
             _open_connections.discard(self)
         self._conn.close()
 
-    def __enter__(self) -> "Connection":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
 
 # Note [peer pid]
 # Both sides send their process (pid and start time, Note [liveness through
@@ -291,11 +280,26 @@ def _exchange_identities(conn: mpc.Connection) -> _process.ProcessId:
 _HANDSHAKE_ERRORS = (AuthenticationError, EOFError, OSError)
 
 
-def _accept_handshake(conn: mpc.Connection, authkey: bytes) -> _process.ProcessId:
-    """Authenticate a client that just connected; its process."""
-    mpc.deliver_challenge(conn, authkey)
-    mpc.answer_challenge(conn, authkey)
-    return _exchange_identities(conn)
+class _ServerHandshake:
+    """The listening side of a connection's handshake, handed to the
+    listener's handshake threads (Note [concurrent handshakes] in
+    _listener.py): authenticate() under the handshake's deadline, then
+    connection() makes what accept() returns."""
+
+    def __init__(self, authkey: bytes, timeout: float, max_bytes_in_flight: Optional[int]):
+        self._authkey = authkey
+        self._timeout = timeout
+        self._max_bytes_in_flight = max_bytes_in_flight
+
+    def authenticate(self, conn: mpc.Connection) -> _process.ProcessId:
+        """Authenticate a client that just connected; its process."""
+        mpc.deliver_challenge(conn, self._authkey)
+        mpc.answer_challenge(conn, self._authkey)
+        return _exchange_identities(conn)
+
+    def connection(self, conn: mpc.Connection, peer: _process.ProcessId) -> "Connection":
+        return Connection(_ring.accept_offer(conn, self._timeout), peer,
+                          max_bytes_in_flight=self._max_bytes_in_flight)
 
 
 def _refusal(e: BaseException, timed_out: bool, timeout: float) -> str:
@@ -342,8 +346,7 @@ class Listener:
         generated = authkey is None
         if generated:
             authkey = secrets.token_hex(16).encode()
-        if not isinstance(authkey, bytes) or not authkey:
-            raise TypeError("authkey must be non-empty bytes")
+        check_authkey(authkey, "Listener")
         self.authkey = authkey
         self.handshake_timeout = float(handshake_timeout)
         self.max_bytes_in_flight = max_bytes_in_flight
@@ -365,11 +368,8 @@ class Listener:
         if self._listener is None:
             raise OSError("torch_ipc: the listener is closed")
         if self._handshakes is None:
-            self._handshakes = _listener.Handshakes(
-                self._listener, lambda conn: _accept_handshake(conn, self.authkey),
-                lambda conn, peer: Connection(_ring.accept_offer(conn, self.handshake_timeout), peer,
-                                              max_bytes_in_flight=self.max_bytes_in_flight),
-                self.handshake_timeout)
+            handshake = _ServerHandshake(self.authkey, self.handshake_timeout, self.max_bytes_in_flight)
+            self._handshakes = _listener.Handshakes(self._listener, handshake, self.handshake_timeout)
         while True:
             kind, value = self._handshakes.next()
             if kind == "ok":
@@ -408,14 +408,18 @@ def listen(
 ) -> Listener:
     """Listen for torch_ipc clients at ``address`` (a Unix socket path, or a
     (host, port) pair; None picks a fresh Unix socket)."""
+    if authkey is not None:
+        check_authkey(authkey, "listen")
     return Listener(address, authkey=authkey, handshake_timeout=handshake_timeout, mode=mode,
                     max_bytes_in_flight=max_bytes_in_flight)
 
 
-def _check_authkey(authkey: Any, caller: str) -> None:
+def check_authkey(authkey: Any, caller: str) -> None:
+    """The one check of an authkey, for every entry point that takes one
+    (``caller`` names it in the message)."""
     if not isinstance(authkey, bytes) or not authkey:
-        raise TypeError(f"torch_ipc.{caller}: authkey must be non-empty bytes (it is required), "
-                        f"not {type(authkey).__name__}")
+        what = "empty bytes" if isinstance(authkey, bytes) else type(authkey).__name__
+        raise TypeError(f"torch_ipc.{caller}: authkey must be non-empty bytes, not {what}")
 
 
 def _client(address: Address, family: Optional[str], authkey: bytes,
@@ -444,11 +448,11 @@ def Client(address: Address, family: Optional[str] = None, authkey: Optional[byt
         >>> with torch_ipc.Client(address, authkey=b"secret") as conn:  # doctest: +SKIP
         ...     y = conn.recv()
     """
-    _check_authkey(authkey, "Client")
+    check_authkey(authkey, "Client")
     return _client(address, family, authkey, None)
 
 
 def connect(address: Address, *, authkey: bytes, max_bytes_in_flight: Optional[int] = None) -> Connection:
     """``Client(address, authkey=authkey)``."""
-    _check_authkey(authkey, "connect")
+    check_authkey(authkey, "connect")
     return _client(address, None, authkey, max_bytes_in_flight)

@@ -8,6 +8,7 @@ from typing import Dict, Optional, Union
 import torch
 
 from .. import _serialize
+from .._closing import Closeable
 from ..pool import SharedPool
 from . import _control as ctl
 from ._copy import BatchedCopy
@@ -20,7 +21,7 @@ __all__ = ["Publisher"]
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 
-class Publisher:
+class Publisher(Closeable):
     """Publish the weights of ``source`` (an ``nn.Module`` or a mapping of
     tensors, all on one device) to subscribers in other processes.
 
@@ -320,18 +321,9 @@ class Publisher:
         if broadcaster is not None:
             broadcaster.close()  # the relays' serve() returns
 
-    def __enter__(self) -> "Publisher":
-        return self
-
-    def __exit__(self, *exc) -> None:
+    def _close_on_collect(self) -> None:
+        self._broadcaster = None  # no collective from a finalizer
         self.close()
-
-    def __del__(self):
-        try:
-            self._broadcaster = None  # no collective from a finalizer
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         mode = f"bucketed {self.layout.bucket_bytes} B" if self.layout.bucket_bytes else "direct"

@@ -51,6 +51,7 @@ from typing import Any, List, Optional, Union
 import torch
 
 from .. import _dist
+from .._closing import Closeable
 from . import _broadcast as wire
 from ._errors import BroadcastError
 from ._layout import Layout
@@ -59,7 +60,7 @@ from .publisher import Publisher
 __all__ = ["Relay"]
 
 
-class Relay:
+class Relay(Closeable):
     """Receive a trainer's versions on another node and publish them here.
 
     ``group``: the ``torch.distributed`` process group shared with the
@@ -269,17 +270,6 @@ class Relay:
                 pass
         self._conns = []
 
-    def __enter__(self) -> "Relay":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         mode = "bucketed" if self._bucketed else "direct"

@@ -61,6 +61,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 
 from .. import _dist
+from .._closing import Closing
 from ._errors import BroadcastError
 from ._layout import typed_view
 from ._shard_layout import LocalShard, Take, describe_shards, shards_message
@@ -72,20 +73,7 @@ from .publisher import Publisher
 __all__ = ["ShardedPublisher", "ShardedSubscriber", "Take", "LocalShard"]
 
 
-class _Closing:
-    """``with`` closes it."""
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class ShardedPublisher(_Closing):
+class ShardedPublisher(Closing):
     """Publish one trainer rank's shards of a model (Note [sharded weights]).
 
     ``source``: {global name: DTensor | LocalShard | tensor} (an
@@ -155,7 +143,7 @@ class ShardedPublisher(_Closing):
         self._publisher.close()
 
 
-class ShardedSubscriber(_Closing):
+class ShardedSubscriber(Closing):
     """An engine rank on the trainer ranks' node (Note [sharded weights]).
 
     ``sources``: one connection (or Pipe end, or queue) per trainer rank,

@@ -8,6 +8,7 @@ from typing import Any, Dict, Iterator, Mapping, Optional
 import torch
 
 from .. import _serialize
+from .._closing import Closeable
 from . import _control as ctl
 from ._errors import PublisherGoneError
 from ._layout import typed_view
@@ -36,7 +37,7 @@ def _record_event(event, stream_device: torch.device) -> None:
     event.record()
 
 
-class Subscriber:
+class Subscriber(Closeable):
     """Receive a :class:`Publisher`'s weights in another process.
 
     ``source`` is where the publisher's :meth:`Publisher.attach` message comes
@@ -290,15 +291,3 @@ class Subscriber:
     def close(self) -> None:
         """Give the slot back and drop the mapping; idempotent."""
         self._detach()
-
-    def __enter__(self) -> "Subscriber":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
