@@ -29,3 +29,12 @@ class BroadcastError(RuntimeError):
     """A version was published on the trainer's node but its broadcast to the
     relays of other nodes failed (a relay died, the group broke). Later
     versions stay local until ``Publisher.broadcast_to`` gets a new group."""
+
+
+def send_failed(version: int, sending: str, resume: str, error: Exception) -> BroadcastError:
+    """The BroadcastError of a version published here whose sending to other
+    nodes (``sending``: what failed) raised ``error``; ``resume``: the call that
+    takes a new group."""
+    return BroadcastError(
+        f"torch_ipc.weights: version {version} is published on this node but {sending} failed "
+        f"({type(error).__name__}: {error}); later versions stay local until {resume}() is called with a new group")

@@ -285,16 +285,13 @@ class Publisher(Closeable):
                                         bucket_bytes, self.version)
 
     def _broadcast(self, version: int) -> None:
-        from ._errors import BroadcastError
+        from ._errors import send_failed
 
         try:
             self._broadcaster.send(version)
         except Exception as e:
             self._broadcaster = None
-            raise BroadcastError(
-                f"torch_ipc.weights: version {version} is published on this node but its broadcast to the "
-                f"relays failed ({type(e).__name__}: {e}); later versions stay local until broadcast_to() "
-                "is called with a new group") from e
+            raise send_failed(version, "its broadcast to the relays", "broadcast_to", e) from e
 
     # ---------------------------------------------------------------- lifetime
 

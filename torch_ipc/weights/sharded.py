@@ -62,7 +62,7 @@ import torch
 
 from .. import _dist
 from .._closing import Closing
-from ._errors import BroadcastError
+from ._errors import send_failed
 from ._layout import typed_view
 from ._shard_layout import LocalShard, Take, describe_shards, shards_message
 from ._shard_local import LocalShards
@@ -132,10 +132,7 @@ class ShardedPublisher(Closing):
                 self._sender.send(version)
             except Exception as e:
                 self._sender = None
-                raise BroadcastError(
-                    f"torch_ipc.weights: version {version} is published on this node but sending it to the remote "
-                    f"engine ranks failed ({type(e).__name__}: {e}); later versions stay local until send_to() "
-                    "is called with a new group") from e
+                raise send_failed(version, "sending it to the remote engine ranks", "send_to", e) from e
         return version
 
     def close(self) -> None:
