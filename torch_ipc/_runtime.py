@@ -56,7 +56,7 @@ _EXIT_PRIORITY = -1000  # below every finalizer of multiprocessing (queues join 
 _JOIN_TIMEOUT_S = 5.0
 
 
-# Note [fork] (csrc/os/process.h): a forked child has its own identity and none
+# Note [fork] (csrc/base/fork.h): a forked child has its own identity and none
 # of its parent's state. Its collector thread did not survive the fork, so
 # it starts its own on first use; its exit hook looks after its own exports
 # (the finalizer it inherited does nothing there: it is not the _pid's).
