@@ -9,6 +9,8 @@ import sys
 import torch
 
 import torch_ipc
+from torch_ipc import _C
+from torch_ipc._build_info import TORCH_VERSION
 
 # Children import the torch_ipc this process imported: the installed package,
 # or the checkout's in-place build (the checkout has no _C after an install).
@@ -42,7 +44,9 @@ def test_doctor_rows_are_true_for_this_machine():
         assert row["status"] in ("ok", "FAIL", "warn", "info"), row
         assert row["status"] in ("ok", "info") or row["fix"], f"a failing row says no fix: {row}"
 
-    assert torch.__version__ in rows["torch and torch_ipc"]["detail"]
+    versions = rows["torch and torch_ipc"]["detail"]  # the extension's path and the torch it was built against
+    assert torch.__version__ in versions and _C.__file__ in versions, versions
+    assert f"built against torch {TORCH_VERSION}" in versions, versions
     gpu = torch.cuda.is_available()
     driver = rows["CUDA driver"]
     if gpu:
@@ -75,12 +79,13 @@ def test_doctor_rows_are_true_for_this_machine():
     assert rows["pidfd_getfd"]["status"] in ("ok", "info")
 
 
-def test_doctor_prints_a_table_and_says_how_to_call_it():
+def test_doctor_prints_a_table_and_says_how_to_call_it(capsys):
     r = _doctor()
     assert r.returncode in (0, 1), r.stderr[-3000:]
     lines = r.stdout.splitlines()
     assert lines[0].split() == ["check", "status", "detail"], lines[:2]
     assert any(line.startswith("/dev/shm") for line in lines), r.stdout
-    bad = subprocess.run([sys.executable, "-m", "torch_ipc"], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=IMPORT_ROOT))  # fmt: skip
-    assert bad.returncode == 2 and "usage: python -m torch_ipc doctor" in bad.stderr
+    from torch_ipc.__main__ import _main
+
+    assert _main([]) == 2  # no command: the usage, on stderr
+    assert "usage: python -m torch_ipc doctor" in capsys.readouterr().err
