@@ -68,7 +68,9 @@ WRONG_THEN_RIGHT = textwrap.dedent("""
 
 
 def test_a_refused_client_warning_points_at_the_caller_and_names_the_peer():
-    with torch_ipc.listen(authkey=AUTHKEY) as listener:
+    # A generous handshake timeout: on a loaded machine the right key's
+    # handshake must not be refused too (one refusal is what is checked).
+    with torch_ipc.listen(authkey=AUTHKEY, handshake_timeout=TIMEOUT) as listener:
         child = subprocess.Popen([sys.executable, "-c", WRONG_THEN_RIGHT, listener.address, AUTHKEY.decode()])
         try:
             with pytest.warns(RuntimeWarning, match="refused a client") as caught:
