@@ -1,13 +1,13 @@
 #include "core/export.h"
 
 #include <algorithm>
-#include <chrono>
 #include <map>
 #include <tuple>
 #include <unordered_map>
 
 #include <c10/core/StorageImpl.h>
 
+#include "base/clock.h"
 #include "base/errors.h"
 
 #include "os/process.h"
@@ -32,11 +32,6 @@ namespace {
 // holder word, so it vanishes if the forwarder dies before delivery); the
 // consumer takes its own hold first and then removes one of those extras
 // (lease_remove_deliveries). The owner's token revocation never touches them.
-
-int64_t steady_now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // Note [open-ended exports]
 // dumps(consumers=None) asks for no count of loads: any number of processes

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -15,6 +14,7 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/core/TensorImpl.h>
 
+#include "base/clock.h"
 #include "base/errors.h"
 #include "base/fork.h"
 
@@ -47,11 +47,6 @@ struct Mapping {
 };
 
 namespace {
-
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 int64_t env_int(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);
@@ -529,7 +524,7 @@ void collect_imports(bool close_idle) {
       ++i;
     }
   }
-  int64_t now = now_ns();
+  int64_t now = steady_now_ns();
   std::vector<std::pair<int64_t, decltype(c.mappings)::iterator>> idle;
   for (auto it = c.mappings.begin(); it != c.mappings.end();) {
     Mapping& m = *it->second;

@@ -2,12 +2,12 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <sched.h>
 #include <unistd.h>
 
+#include "base/clock.h"
 #include "base/errors.h"
 
 #include "os/futex.h"
@@ -142,11 +142,6 @@ void wake_if_sleeping(std::atomic<uint32_t>* sleeps) {
 }
 
 }  // namespace
-
-int64_t steady_now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 int64_t ring_spin_ns() { return g_spin_ns.load(std::memory_order_relaxed); }
 
