@@ -15,6 +15,7 @@
 #include <c10/core/TensorImpl.h>
 
 #include "base/clock.h"
+#include "base/env.h"
 #include "base/errors.h"
 #include "base/fork.h"
 
@@ -48,11 +49,6 @@ struct Mapping {
 
 namespace {
 
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoll(v) : fallback;
-}
-
 // A hold whose tensors are gone, waiting for the GPU work queued on them.
 struct PendingRelease {
   LeaseRecord lease;
@@ -71,6 +67,7 @@ struct PendingRelease {
 // last tensor, since they would keep the producer's freed memory alive.
 // The producer's lease is released already; the open handle may keep the
 // segment's memory until it closes if the producer frees it (empty_cache).
+constexpr int64_t kMaxIdleSetting = 1000000000;  // seconds (31 years) or mappings
 using MappingKey = std::pair<uint8_t, Handle64>;
 struct MappingKeyHash {
   size_t operator()(const MappingKey& k) const { return handle_hash(k.second) ^ k.first; }
@@ -81,8 +78,9 @@ struct Consumer {
   std::vector<PendingRelease> pending;
   std::vector<std::pair<int, CUevent>> spare_events;
   std::atomic<int64_t> holds{0};
-  const int64_t idle_ns = env_int("TORCH_IPC_IDLE_SECONDS", 60) * 1000000000ll;
-  const int64_t max_idle = env_int("TORCH_IPC_IDLE_MAPPINGS", 1024);
+  // Note [checked settings]: junk warns and keeps the default.
+  const int64_t idle_ns = env_int("TORCH_IPC_IDLE_SECONDS", 60, 0, kMaxIdleSetting) * 1000000000ll;
+  const int64_t max_idle = env_int("TORCH_IPC_IDLE_MAPPINGS", 1024, 0, kMaxIdleSetting);
 };
 
 // A forked child starts with no hold, mapping or pending release (Note [fork]).
@@ -567,6 +565,11 @@ void flush_imports() {
     finish(c, p);
   }
   c.pending.clear();
+}
+
+IdlePolicy idle_policy() {
+  const Consumer& c = consumer();
+  return IdlePolicy{c.idle_ns, c.max_idle};
 }
 
 ImportStats import_stats() {

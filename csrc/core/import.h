@@ -54,6 +54,13 @@ void collect_imports(bool close_idle);
 // Wait for every deferred release and finish it (at exit).
 void flush_imports();
 
+// How long a legacy IPC mapping stays open idle, and how many may (Note [idle
+// mappings]), as read from TORCH_IPC_IDLE_SECONDS and TORCH_IPC_IDLE_MAPPINGS.
+struct IdlePolicy {
+  int64_t idle_ns, max_idle;
+};
+IdlePolicy idle_policy();
+
 struct ImportStats {
   int64_t holds, pending_releases, mappings_open, mappings_idle, events_open;
 };
