@@ -17,6 +17,7 @@
 #include "cuda/events.h"
 
 #include "memory/locate.h"
+#include "memory/memory_kind.h"
 #include "memory/vmm.h"
 
 #include "core/registry.h"
@@ -204,7 +205,7 @@ class TableBuilder {
     if (!inserted) return it->second;
     AllocRecord ar;
     ar.kind = a.kind;
-    ar.device = a.kind == AllocKind::CpuShm ? kNone16 : device(a.device);
+    ar.device = memory_kind(a.kind).on_gpu ? device(a.device) : kNone16;
     ar.size = a.size;
     ar.handle = a.handle;
     d_.allocs.push_back(ar);

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
-#include <cstring>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -19,7 +18,6 @@
 #include "base/errors.h"
 #include "base/fork.h"
 
-#include "os/names.h"
 #include "os/process.h"
 #include "os/refcount.h"
 
@@ -27,24 +25,21 @@
 #include "cuda/cuda_driver.h"
 #include "cuda/events.h"
 
-#include "memory/host_memory.h"
-#include "memory/vmm.h"
+#include "memory/memory_kind.h"
 
 #include "core/registry.h"
 
 namespace torch_ipc {
 
-// One allocation of another process, opened in this one. Closed (legacy IPC)
-// or unmapped (host, VMM: their owners below) when the last user lets go.
+// One allocation of another process, opened in this one (by its kind's table,
+// memory/memory_kind.h); closed (or unmapped) when the last user lets go.
 struct Mapping {
   Allocation where;
-  char* base = nullptr;
   ProcessId producer;
-  std::shared_ptr<void> host;  // the ShmMapping for host memory
-  std::shared_ptr<void> vmm;   // the VmmMapping for CudaVmm (unmaps when dropped)
-  int64_t idle_since_ns = 0;   // set by collect() when no tensor uses it
-  MadeHere made;               // a forked child leaves its parent's mappings alone
-  ~Mapping();
+  const MemoryKind* kind = nullptr;
+  std::unique_ptr<OpenedMemory> memory;
+  int64_t idle_since_ns = 0;  // set by collect() when no tensor uses it
+  char* base() const { return memory->base; }
 };
 
 namespace {
@@ -63,8 +58,9 @@ struct PendingRelease {
 // mapping with no tensor left stays open, idle, and is closed when its
 // producer exits, when it has been idle TORCH_IPC_IDLE_SECONDS, when more than
 // TORCH_IPC_IDLE_MAPPINGS are idle (oldest first), or on collect(close_idle=True).
-// Only legacy IPC mappings stay idle; host and VMM ones close with their
-// last tensor, since they would keep the producer's freed memory alive.
+// Only legacy IPC mappings stay idle (MemoryKind::stays_open_idle); host and
+// VMM ones close with their last tensor, since they would keep the producer's
+// freed memory alive.
 // The producer's lease is released already; the open handle may keep the
 // segment's memory until it closes if the producer frees it (empty_cache).
 constexpr int64_t kMaxIdleSetting = 1000000000;  // seconds (31 years) or mappings
@@ -153,79 +149,12 @@ bool release_ready(const PendingRelease& p) {
 
 // ---------------------------------------------------------------- mapping
 
-// A host segment's name (Note [names]) and nothing else: a handle is never a path.
-std::string_view host_name(const Handle64& h) {
-  size_t n = 0;
-  while (n < h.size() && h[n] != 0) ++n;
-  for (size_t i = n; i < h.size(); ++i)
-    if (h[i] != 0) throw DescriptorError("malformed torch_ipc descriptor: bytes after a shared memory name");
-  std::string_view name(reinterpret_cast<const char*>(h.data()), n);
-  auto parsed = n > 0 && name[0] == '/' ? parse_shared_file_name(name.substr(1)) : std::nullopt;
-  if (!parsed || parsed->lease) throw DescriptorError("malformed torch_ipc descriptor: bad shared memory name");
-  return name;
-}
-
-void open_host(Mapping& m, const ProcessId& owner) {
-  const std::string name(host_name(m.where.handle));
-  std::shared_ptr<ShmMapping> shm = open_host_segment(name, m.where.size);
-  if (!shm) {
-    if (!process_alive(owner)) throw producer_gone(owner.pid, "its shared memory is gone");
-    throw Released("torch_ipc: the shared memory " + name + " was already released by its producer");
-  }
-  m.base = static_cast<char*>(shm->data());
-  m.host = std::move(shm);
-}
-
-// Note [opening many allocations]
-// The first share of a state dict opens each base allocation once: torch's
-// caching allocator puts 384 tensors of 4 MiB in 77 allocations of 20 MiB,
-// and cuIpcOpenMemHandle costs 40-70 us each on an H100 (more for larger
-// allocations), 3-5 ms in all. Opening them from several threads does not
-// help: the driver serialises the calls, and they get slower (384 x 4 MiB:
-// 15.5 ms from 1 thread, 23-29 ms from 2 to 16; 96 x 16 MiB: 5.9 ms from 1,
-// 7.0-10.9 ms from 2 to 16; benchmarks/ipc_open_threads.py). Opening lazily,
-// on first touch, is not possible either: a tensor needs its address when it
-// is built. So mappings open one after the other, once per process (Note
-// [idle mappings]), and a producer that wants a cheap first share sends from
-// few allocations (a SharedPool, or one flat buffer viewed as its tensors).
-void open_legacy(Mapping& m, const ProcessId& owner) {
-  ScopedContext scope(m.where.device);
-  CUipcMemHandle h;
-  std::memcpy(h.reserved, m.where.handle.data(), 64);
-  CUdeviceptr ptr = 0;
-  CUresult r = driver().cuIpcOpenMemHandle(&ptr, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
-  if (r != CUDA_SUCCESS) {
-    if (!process_alive(owner)) throw producer_gone(owner.pid, "its CUDA memory is gone with it");
-    throw_driver_error("cuIpcOpenMemHandle", r);
-  }
-  m.base = reinterpret_cast<char*>(ptr);  // from here m's destructor closes it
-  size_t range = 0;
-  CUpointer_attribute attr = CU_POINTER_ATTRIBUTE_RANGE_SIZE;
-  void* value = &range;
-  TORCH_IPC_CU(cuPointerGetAttributes, 1, &attr, &value, ptr);
-  if (range < m.where.size)
-    throw DescriptorError("malformed torch_ipc descriptor: the allocation is " + std::to_string(range) +
-                          " bytes, the descriptor says " + std::to_string(m.where.size));
-}
-
 std::shared_ptr<Mapping> open_mapping(const Allocation& where, const ProcessId& owner) {
   auto m = std::make_shared<Mapping>();
   m->where = where;
   m->producer = owner;
-  switch (where.kind) {
-    case AllocKind::CpuShm:
-      open_host(*m, owner);
-      break;
-    case AllocKind::CudaVmm: {
-      auto vmm = import_vmm(where.handle, where.size, where.device, owner);
-      m->base = reinterpret_cast<char*>(vmm->base);
-      m->vmm = std::move(vmm);
-      break;
-    }
-    case AllocKind::CudaIpc:
-      open_legacy(*m, owner);
-      break;
-  }
+  m->kind = &memory_kind(where.kind);
+  m->memory = m->kind->open(where, owner);
   return m;
 }
 
@@ -263,8 +192,8 @@ Descriptor decode_and_check(std::string_view data, Liveness& alive, const std::f
     alive.require(d.producer, "the " + tensor_kinds(d) +
                                   " it shared can no longer be loaded; export them again from a "
                                   "running process");
-  for (const AllocRecord& a : d.allocs)
-    if (a.kind == AllocKind::CpuShm) host_name(a.handle);  // throws on a name that is not ours to open
+  for (const AllocRecord& a : d.allocs)  // a handle that could never be opened: refused before anything is taken
+    if (auto check = memory_kind(a.kind).check_handle) check(a.handle);
   return d;
 }
 
@@ -334,7 +263,7 @@ void wait_for_producer(const Descriptor& d, const std::vector<int>& local) {
 }
 
 Allocation allocation_of(const AllocRecord& a, const std::vector<int>& local) {
-  return Allocation{a.kind, a.kind == AllocKind::CpuShm ? -1 : local[a.device], a.handle, a.size};
+  return Allocation{a.kind, memory_kind(a.kind).on_gpu ? local[a.device] : -1, a.handle, a.size};
 }
 
 // Step 4: map every allocation that is not ours, once per process.
@@ -380,7 +309,7 @@ std::vector<c10::Storage> build_storages(const Descriptor& d, const std::vector<
       continue;
     }
     const Mapping& m = *mapped[s.alloc];
-    c10::DataPtr ptr = imported_data_ptr(m.base + s.offset, holds[a.lease], &m.where, s.offset, device);
+    c10::DataPtr ptr = imported_data_ptr(m.base() + s.offset, holds[a.lease], &m.where, s.offset, device);
     storages.emplace_back(c10::Storage::use_byte_size_t(), s.nbytes, std::move(ptr), nullptr, false);
   }
   return storages;
@@ -417,21 +346,6 @@ void build_tensors(const Descriptor& d, const std::vector<c10::Storage>& storage
 void imports_forget_after_fork() { forget_after_fork<Consumer>(); }
 const AfterForkInChild reset_imports_after_fork(&imports_forget_after_fork);
 
-Mapping::~Mapping() {
-  if (made.inherited()) {  // CUDA is unusable here, and the mapping is the parent's
-    new std::shared_ptr<void>(std::move(vmm));
-    return;
-  }
-  if (where.kind == AllocKind::CudaIpc && base != nullptr) {
-    try {
-      ScopedContext scope(where.device);
-      TORCH_IPC_CU_WARN(cuIpcCloseMemHandle, reinterpret_cast<CUdeviceptr>(base));
-    } catch (const std::exception& e) {
-      TORCH_WARN("torch_ipc: closing a mapping failed: ", e.what());
-    }
-  }
-}
-
 // Note [deferred release]
 // A consumer's tensors may die while GPU work it queued on them still runs:
 // releasing the hold at once would let the producer reuse memory the GPU is
@@ -453,7 +367,7 @@ Hold::~Hold() {
   try {
     for (const auto& m : p.mappings) {
       const int device = m->where.device;
-      if (m->where.kind == AllocKind::CpuShm) continue;
+      if (!m->kind->on_gpu) continue;
       if (std::any_of(p.done.begin(), p.done.end(), [&](auto& de) { return de.first == device; })) continue;
       ScopedContext scope(device);
       CUstream stream = current_stream(device);
@@ -529,10 +443,9 @@ void collect_imports(bool close_idle) {
     if (it->second.use_count() > 1) {
       m.idle_since_ns = 0;
       ++it;
-    } else if (m.where.kind != AllocKind::CudaIpc) {
-      // Host and VMM memory: an idle mapping would keep physical memory that its
-      // producer freed (host mapping again costs microseconds). Closed at once,
-      // and not counted against TORCH_IPC_IDLE_MAPPINGS, which bounds legacy ones.
+    } else if (!m.kind->stays_open_idle) {
+      // Closed at once, and not counted against TORCH_IPC_IDLE_MAPPINGS,
+      // which bounds the ones that stay.
       closing.push_back(std::move(it->second));
       it = c.mappings.erase(it);
     } else {
