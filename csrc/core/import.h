@@ -1,6 +1,6 @@
-// Consumer side: rebuild tensors from a descriptor on the producer's memory.
-// Owns the per-process cache of opened allocations (each opened once), the
-// holds on producers' leases, and the deferred release of those holds.
+// Consumer side: rebuild tensors from a descriptor on the producer's memory,
+// in steps (import.cpp), on the mappings of mapping_cache.h and the holds of
+// release.h; and the collection and statistics of both.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -53,13 +53,6 @@ ImportResult import_tensors(std::string_view data, const std::function<void()>& 
 void collect_imports(bool close_idle);
 // Wait for every deferred release and finish it (at exit).
 void flush_imports();
-
-// How long a legacy IPC mapping stays open idle, and how many may (Note [idle
-// mappings]), as read from TORCH_IPC_IDLE_SECONDS and TORCH_IPC_IDLE_MAPPINGS.
-struct IdlePolicy {
-  int64_t idle_ns, max_idle;
-};
-IdlePolicy idle_policy();
 
 struct ImportStats {
   int64_t holds, pending_releases, mappings_open, mappings_idle, events_open;

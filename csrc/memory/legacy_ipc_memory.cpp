@@ -41,7 +41,7 @@ struct LegacyIpcMemory : OpenedMemory {
 // 7.0-10.9 ms from 2 to 16; benchmarks/ipc_open_threads.py). Opening lazily,
 // on first touch, is not possible either: a tensor needs its address when it
 // is built. So mappings open one after the other, once per process (Note
-// [idle mappings] in core/import.cpp), and a producer that wants a
+// [idle mappings] in core/mapping_cache.cpp), and a producer that wants a
 // cheap first share sends from few allocations (a SharedPool, or one flat
 // buffer viewed as its tensors).
 std::unique_ptr<OpenedMemory> open_legacy(const Allocation& where, const ProcessId& owner) {

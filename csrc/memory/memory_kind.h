@@ -32,10 +32,10 @@ struct OpenedMemory {
 struct MemoryKind {
   // A GPU's memory: the allocation names one of the descriptor's devices, and
   // a release waits for the GPU work queued on it (Note [deferred release] in
-  // core/import.cpp). Host memory does neither.
+  // core/release.cpp). Host memory does neither.
   bool on_gpu;
   // Whether an opened allocation stays open, idle, once no tensor uses it
-  // (Note [idle mappings] in core/import.cpp).
+  // (Note [idle mappings] in core/mapping_cache.cpp).
   bool stays_open_idle;
   // Refuse, before a load takes anything, a handle that could never be opened
   // (DescriptorError). Null when only opening can tell.

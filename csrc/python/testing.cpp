@@ -13,7 +13,7 @@
 
 #include "memory/shared_pool.h"
 
-#include "core/import.h"
+#include "core/mapping_cache.h"
 
 #include "features/kv/block_allocator.h"
 
