@@ -77,7 +77,8 @@ def _load_drop_and_wait(data: bytes, seconds: float):
 def test_a_junk_idle_setting_keeps_legacy_mappings_open():
     """Note [idle mappings]: a legacy IPC mapping stays open idle for the default
     60 s when TORCH_IPC_IDLE_SECONDS is junk (it was closed at once)."""
-    with Peer(timeout=180, name="producer") as producer, Peer(
+    legacy = {"PYTORCH_CUDA_ALLOC_CONF": None}  # cudaMalloc segments: legacy IPC, not VMM
+    with Peer(timeout=180, name="producer", env=legacy) as producer, Peer(
         timeout=180, name="consumer", env={"TORCH_IPC_IDLE_SECONDS": "junk"}
     ) as consumer:
         data = producer.call(_export_cuda, 1 << 20, u.new_seed())
