@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """How the CUDA driver's legacy IPC calls scale with threads: the floor under
-bench.py's sd_first row (Note [opening many allocations] in csrc/core/import.cpp).
+bench.py's sd_first row (Note [opening many allocations] in csrc/memory/legacy_ipc_memory.cpp).
 
 A producer makes N allocations of one size with cuMemAlloc and exports them
 (cuIpcGetMemHandle, 1 and 4 threads); a spawned consumer opens all N handles

@@ -1,13 +1,13 @@
 #include "core/export.h"
 
 #include <algorithm>
-#include <chrono>
 #include <map>
 #include <tuple>
 #include <unordered_map>
 
 #include <c10/core/StorageImpl.h>
 
+#include "base/clock.h"
 #include "base/errors.h"
 
 #include "os/process.h"
@@ -17,6 +17,7 @@
 #include "cuda/events.h"
 
 #include "memory/locate.h"
+#include "memory/memory_kind.h"
 #include "memory/vmm.h"
 
 #include "core/registry.h"
@@ -32,11 +33,6 @@ namespace {
 // holder word, so it vanishes if the forwarder dies before delivery); the
 // consumer takes its own hold first and then removes one of those extras
 // (lease_remove_deliveries). The owner's token revocation never touches them.
-
-int64_t steady_now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // Note [open-ended exports]
 // dumps(consumers=None) asks for no count of loads: any number of processes
@@ -209,7 +205,7 @@ class TableBuilder {
     if (!inserted) return it->second;
     AllocRecord ar;
     ar.kind = a.kind;
-    ar.device = a.kind == AllocKind::CpuShm ? kNone16 : device(a.device);
+    ar.device = memory_kind(a.kind).on_gpu ? device(a.device) : kNone16;
     ar.size = a.size;
     ar.handle = a.handle;
     d_.allocs.push_back(ar);

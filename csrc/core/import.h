@@ -1,6 +1,6 @@
-// Consumer side: rebuild tensors from a descriptor on the producer's memory.
-// Owns the per-process cache of opened allocations (each opened once), the
-// holds on producers' leases, and the deferred release of those holds.
+// Consumer side: rebuild tensors from a descriptor on the producer's memory,
+// in steps (import.cpp), on the mappings of mapping_cache.h and the holds of
+// release.h; and the collection and statistics of both.
 #pragma once
 
 #include <ATen/core/Tensor.h>

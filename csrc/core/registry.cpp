@@ -7,6 +7,8 @@
 
 #include "base/fork.h"
 
+#include "core/release.h"
+
 namespace torch_ipc {
 namespace {
 

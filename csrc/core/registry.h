@@ -20,19 +20,7 @@
 namespace torch_ipc {
 
 // ---- imported storages
-// One allocation of another process, opened in this one (import.cpp opens,
-// caches and closes them).
-struct Mapping;
-
-// The hold one import took on one lease, and the mappings its storages use.
-// Dropped when the last storage built by that import dies; the lease is then
-// released once the GPU work queued on the memory has finished (import.cpp).
-struct Hold {
-  LeaseRecord lease;
-  std::vector<std::shared_ptr<Mapping>> mappings;
-  MadeHere made;  // a forked child leaves its parent's holds alone
-  ~Hold();
-};
+struct Hold;  // the hold of one import on one lease (core/release.h)
 
 // Build the DataPtr of an imported storage at `data`, `offset` bytes into the
 // allocation `alloc` of a mapping that `hold` keeps (in hold->mappings: the

@@ -12,7 +12,8 @@
 #include <exception>
 #include <memory>
 
-#include "os/fd_passing.h"
+#include "base/unique_fd.h"
+
 #include "os/ring.h"
 #include "os/ring_segment.h"
 

@@ -21,6 +21,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "base/env.h"
 #include "base/errors.h"
 #include "base/fork.h"
 
@@ -36,16 +37,6 @@
 #endif
 
 namespace torch_ipc {
-
-UniqueFd& UniqueFd::operator=(UniqueFd&& o) noexcept {
-  if (this != &o) reset(o.release());
-  return *this;
-}
-
-void UniqueFd::reset(int fd) {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = fd;
-}
 
 namespace {
 
@@ -569,11 +560,8 @@ std::vector<ReceivedItem> fetch_socket(const ProcessId& owner, uint64_t id) {
 }  // namespace
 
 FdTransport fd_transport_from_env() {
-  const char* v = std::getenv("TORCH_IPC_FD_TRANSPORT");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return FdTransport::Auto;
-  if (std::strcmp(v, "socket") == 0) return FdTransport::Socket;
-  if (std::strcmp(v, "pidfd") == 0) return FdTransport::Pidfd;
-  TORCH_IPC_CHECK(false, "torch_ipc: TORCH_IPC_FD_TRANSPORT must be auto, socket or pidfd, not '", v, "'");
+  constexpr FdTransport kChoices[] = {FdTransport::Auto, FdTransport::Socket, FdTransport::Pidfd};
+  return kChoices[env_choice("TORCH_IPC_FD_TRANSPORT", {"auto", "socket", "pidfd"}, 0)];  // Note [checked settings]
 }
 
 // The child closes its copy of the parent's listening socket (a child that

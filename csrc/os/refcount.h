@@ -23,7 +23,7 @@ namespace torch_ipc {
 // reclaimed under a consumer that got through its check. A consumer killed
 // while holding leaves its word behind; the producer sees its life file unlocked.
 // A hold is always released by the process that took it, after its GPU work
-// on the memory has finished (import.cpp).
+// on the memory has finished (core/release.cpp).
 //
 // Note [holder limit]
 // A slot is one 128-byte line, with room for kHoldersPerSlot holder words: one

@@ -2,12 +2,13 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <sched.h>
 #include <unistd.h>
 
+#include "base/clock.h"
+#include "base/env.h"
 #include "base/errors.h"
 
 #include "os/futex.h"
@@ -75,14 +76,10 @@ namespace {
 constexpr int64_t kPeerCheckNs = 50'000'000;
 constexpr int kYields = 16;  // Note [spin budget]
 int64_t default_spin_ns() {
-  if (const char* env = std::getenv("TORCH_IPC_CHANNEL_SPIN_US")) {
-    char* end = nullptr;
-    double us = std::strtod(env, &end);
-    if (end != env && us >= 0 && us <= 1e6) return int64_t(us * 1000);
-  }
   cpu_set_t cpus;
-  if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) < 4) return 0;
-  return 250'000;
+  const bool few_cpus = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) < 4;
+  const double us = env_number("TORCH_IPC_CHANNEL_SPIN_US", few_cpus ? 0 : 250, 0, 1e6);  // Note [checked settings]
+  return int64_t(us * 1000);
 }
 
 std::atomic<int64_t> g_spin_ns{default_spin_ns()};
@@ -142,11 +139,6 @@ void wake_if_sleeping(std::atomic<uint32_t>* sleeps) {
 }
 
 }  // namespace
-
-int64_t steady_now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 int64_t ring_spin_ns() { return g_spin_ns.load(std::memory_order_relaxed); }
 

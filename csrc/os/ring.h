@@ -35,8 +35,6 @@ struct WaitContext {
   int64_t deadline_ns;  // steady clock; < 0: none
 };
 
-int64_t steady_now_ns();
-
 // How long a waiter spins before it sleeps (Note [spin budget] in ring.cpp).
 int64_t ring_spin_ns();
 void set_ring_spin_ns(int64_t ns);

@@ -12,7 +12,7 @@
 #include <functional>
 #include <memory>
 
-#include "os/fd_passing.h"
+#include "base/unique_fd.h"
 
 namespace torch_ipc {
 

@@ -7,9 +7,11 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <memory>
+#include <optional>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/env.h"
 #include "base/str.h"
 
 #include "os/life.h"
@@ -17,8 +19,7 @@
 namespace torch_ipc {
 
 std::string socket_dir() {
-  const char* v = std::getenv("TORCH_IPC_SOCKET_DIR");
-  if (v != nullptr && *v != '\0') return v;
+  if (std::optional<std::string> dir = env_string("TORCH_IPC_SOCKET_DIR")) return *dir;
   return "/dev/shm/torch_ipc-" + std::to_string(geteuid());
 }
 

@@ -13,6 +13,8 @@
 
 #include "memory/shared_pool.h"
 
+#include "core/mapping_cache.h"
+
 #include "features/kv/block_allocator.h"
 
 #include "python/bindings.h"
@@ -56,6 +58,11 @@ void bind_fd_testing(py::module_& testing) {
       py::arg("life") = 0, py::arg("pidns") = 0);
   // The fd server's socket at a path (Note [fd server at a path]), or "".
   testing.def("fd_server_path", &fd_server_path);
+  // (idle nanoseconds, idle mappings): what the environment set (Note [checked settings]).
+  testing.def("idle_policy", [] {
+    const IdlePolicy p = idle_policy();
+    return py::make_tuple(p.idle_ns, p.max_idle);
+  });
 }
 
 }  // namespace

@@ -46,7 +46,7 @@ The kernel and the copy engines trust their addresses, so:
   caching allocator reuses them only for work queued after the launch;
   ``out`` is returned to the caller (or is the caller's); the chunks are the
   pool's until close(), and their release waits for the current stream's work
-  (Note [deferred release] in csrc/core/import.cpp; the owner's SharedPool
+  (Note [deferred release] in csrc/core/release.cpp; the owner's SharedPool
   chunks: Note [pool frees synchronize] in csrc/memory/shared_pool.cpp). A
   caller who queues gather/scatter on a stream other than the one that
   allocated ``out`` or ``src`` calls record_stream, as for any torch op.

@@ -1,0 +1,86 @@
+"""Settings read from the environment are parsed in full (Note [checked settings]
+in csrc/base/env.h): a junk value warns, naming the variable, and keeps the
+default, instead of becoming the number its first characters spell (a junk
+TORCH_IPC_IDLE_SECONDS was 0, which closed every idle mapping at the next
+collection)."""
+import os
+import subprocess
+import sys
+import time
+
+import ipc_test_utils as u
+import pytest
+import torch
+
+import torch_ipc
+from torch_ipc.testing import Peer
+
+# Children import the torch_ipc this process imported (installed, or the checkout's build).
+IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(torch_ipc.__file__)))
+SETTINGS = "from torch_ipc import _C; print(*_C._testing.idle_policy(), _C.channel_spin_ns())"
+
+
+def _settings(**env: str):
+    """(idle ns, idle mappings, channel spin ns) and stderr of a fresh process with `env`."""
+    full = dict(os.environ, PYTHONPATH=IMPORT_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+    for name in ("TORCH_IPC_IDLE_SECONDS", "TORCH_IPC_IDLE_MAPPINGS", "TORCH_IPC_CHANNEL_SPIN_US"):
+        if name not in env:
+            full.pop(name, None)
+    r = subprocess.run([sys.executable, "-c", SETTINGS], env=full, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    idle_ns, idle_mappings, spin_ns = (int(x) for x in r.stdout.split())
+    return (idle_ns, idle_mappings, spin_ns), r.stderr
+
+
+def test_valid_settings_are_taken():
+    (idle_ns, idle_mappings, spin_ns), err = _settings(
+        TORCH_IPC_IDLE_SECONDS=" 7 ", TORCH_IPC_IDLE_MAPPINGS="0", TORCH_IPC_CHANNEL_SPIN_US="12.5"
+    )
+    assert (idle_ns, idle_mappings, spin_ns) == (7 * 10**9, 0, 12500)
+    assert "torch_ipc: ignoring" not in err
+
+
+@pytest.mark.parametrize("value", ["junk", "60s", "1e3", "-1", "99999999999999999999"])
+def test_a_junk_idle_setting_keeps_the_default_and_warns(value):
+    (idle_ns, idle_mappings, _), err = _settings(TORCH_IPC_IDLE_SECONDS=value, TORCH_IPC_IDLE_MAPPINGS=value)
+    assert (idle_ns, idle_mappings) == (60 * 10**9, 1024), "a junk value must not close every idle mapping"
+    assert f"ignoring TORCH_IPC_IDLE_SECONDS='{value}'" in err, err
+    assert f"ignoring TORCH_IPC_IDLE_MAPPINGS='{value}'" in err, err
+
+
+def test_a_junk_spin_setting_keeps_the_default_and_warns():
+    (_, _, default_spin), _ = _settings()
+    (_, _, spin_ns), err = _settings(TORCH_IPC_CHANNEL_SPIN_US="100abc")
+    assert spin_ns == default_spin
+    assert "ignoring TORCH_IPC_CHANNEL_SPIN_US='100abc'" in err, err
+
+
+def _export_cuda(n: int, seed: int):
+    x = u.random_tensor((n,), torch.float32, torch.Generator().manual_seed(seed), "cuda")
+    u.HELD["x"] = x
+    return torch_ipc.dumps(x)
+
+
+def _load_drop_and_wait(data: bytes, seconds: float):
+    """Load, drop the tensors, let collections run for `seconds`; the stats then."""
+    x = torch_ipc.loads(data)
+    torch.cuda.synchronize()
+    del x
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        torch_ipc.collect()
+        time.sleep(0.05)
+    return torch_ipc.stats()
+
+
+@pytest.mark.cuda
+def test_a_junk_idle_setting_keeps_legacy_mappings_open():
+    """Note [idle mappings]: a legacy IPC mapping stays open idle for the default
+    60 s when TORCH_IPC_IDLE_SECONDS is junk (it was closed at once)."""
+    legacy = {"PYTORCH_CUDA_ALLOC_CONF": None}  # cudaMalloc segments: legacy IPC, not VMM
+    with Peer(timeout=180, name="producer", env=legacy) as producer, Peer(
+        timeout=180, name="consumer", env={"TORCH_IPC_IDLE_SECONDS": "junk"}
+    ) as consumer:
+        data = producer.call(_export_cuda, 1 << 20, u.new_seed())
+        s = consumer.call(_load_drop_and_wait, data, 0.5)
+        assert s["mappings_idle"] == 1, s
