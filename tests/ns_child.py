@@ -85,5 +85,43 @@ def fetch_fds(pid: str, start: str, life: str, pidns: str, ident: str, mode: str
     say(contents=out)
 
 
+KV_SHAPE = (2, 4)
+
+
+def kv_attach(path: str, n: str, device: str = "cpu") -> None:
+    """Attach to the KV pool whose pickle is in `path`, allocate `n` blocks and
+    fill them with this pid, reclaim (nobody here is dead), report; stay."""
+    from torch_ipc.kv import SharedKVPool
+
+    pool = SharedKVPool.attach(open(path, "rb").read(), KV_SHAPE, torch.int32)
+    ids = pool.allocate(int(n))
+    pool.scatter(ids, torch.full((len(ids), *KV_SHAPE), os.getpid(), dtype=torch.int32, device=pool.device))
+    reclaimed = sum(pool.reclaim() for _ in range(3))
+    for _ in range(3):
+        torch_ipc.collect()
+    say(ids=ids, reclaimed=reclaimed, free=pool.free_blocks, holders=len(pool.holders()),
+        seen=pool.gather([0]).reshape(-1).tolist(), device=str(pool.device), **namespace())  # fmt: skip
+    hold_forever()
+
+
+def kv_own(path: str, device: str = "cpu") -> None:
+    """Create a KV pool of 8 blocks, hold 3 filled with 7, put its pickle in `path`, report; stay."""
+    from torch_ipc.kv import SharedKVPool
+
+    pool = SharedKVPool(8, KV_SHAPE, torch.int32, device)
+    ids = pool.allocate(3)
+    pool.scatter(ids, torch.full((3, *KV_SHAPE), 7, dtype=torch.int32, device=device))
+    if device != "cpu":
+        torch.cuda.synchronize()
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(torch_ipc.dumps(pool))
+    os.rename(tmp, path)
+    say(ids=ids, **namespace())
+    hold_forever()
+
+
 if __name__ == "__main__":
-    {"load": load, "client": client, "produce": produce, "fetch_fds": fetch_fds}[sys.argv[1]](*sys.argv[2:])
+    jobs = {"load": load, "client": client, "produce": produce, "fetch_fds": fetch_fds, "kv_attach": kv_attach,
+            "kv_own": kv_own}  # fmt: skip
+    jobs[sys.argv[1]](*sys.argv[2:])
