@@ -121,7 +121,32 @@ def kv_own(path: str, device: str = "cpu") -> None:
     hold_forever()
 
 
+def weights_sub(address: str, authkey_hex: str, device: str = "cpu") -> None:
+    """A weights Subscriber of the Publisher listening at `address`: pull
+    version 1, report (whether it is the publisher's model), stay."""
+    import weights_helpers as h
+
+    sub = h.Subscriber(h.Connector(address, bytes.fromhex(authkey_hex), wait=60), timeout=60)
+    model = h.make_weights(device, fill=0.0)
+    try:
+        version = sub.pull(model, timeout=60)
+    except Exception as e:  # reported, not raised: the test checks which error
+        say(error=type(e).__name__, message=str(e), **namespace())
+        return
+    say(version=version, same=h.bits(model) == h.bits(h.make_weights()), alive=sub.publisher_alive(), **namespace())
+    hold_forever()
+
+
+def weights_pub(address: str, authkey_hex: str, device: str = "cpu") -> None:
+    """A weights Publisher at `address`: attach one subscriber, publish version 1, report, stay."""
+    import weights_helpers as h
+
+    version = h.pub_serve(address, bytes.fromhex(authkey_hex), device=device)
+    say(version=version, subscribers=h.HELD["pub"].subscribers, **namespace())
+    hold_forever()
+
+
 if __name__ == "__main__":
     jobs = {"load": load, "client": client, "produce": produce, "fetch_fds": fetch_fds, "kv_attach": kv_attach,
-            "kv_own": kv_own}  # fmt: skip
+            "kv_own": kv_own, "weights_sub": weights_sub, "weights_pub": weights_pub}  # fmt: skip
     jobs[sys.argv[1]](*sys.argv[2:])
