@@ -13,8 +13,8 @@ import pytest
 import weights_helpers as h
 from namespace_helpers import NamespacedChild, needs_namespaces
 
-from torch_ipc.weights import PublisherGoneError
 from torch_ipc.testing import Peer
+from torch_ipc.weights import PublisherGoneError
 
 pytestmark = needs_namespaces()
 

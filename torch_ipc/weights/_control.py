@@ -2,7 +2,6 @@
 and its subscribers read and write with sequentially consistent atomics.
 """
 
-import os
 import time
 from typing import Callable
 
@@ -143,9 +142,8 @@ def self_word() -> int:
     """This process as an OWNER or PUBLISHER word (Note [process words])."""
     pid, _, key, _ = _process.self_identity()
     if key == 0:
-        err = _C.life_file_error()
-        raise OSError(err, f"torch_ipc.weights: cannot create this process's life file in /dev/shm ({os.strerror(err)}): "
-                           "a control word names a process by it (Note [process words])")
+        raise OSError(_C.life_file_error(), "torch_ipc.weights: cannot create this process's life file in "
+                      "/dev/shm: a control word names a process by it (Note [process words])")
     if pid >> _PID_BITS or key >> _KEY_BITS:
         raise RuntimeError(f"torch_ipc.weights: process ({pid}, key {key}) does not fit a control word")
     return key << _PID_BITS | pid
