@@ -146,7 +146,24 @@ def weights_pub(address: str, authkey_hex: str, device: str = "cpu") -> None:
     hold_forever()
 
 
+def event(path: str) -> None:
+    """Load the IpcEvent pickled in `path`, order this stream after it, drop
+    it, collect; report how many opened events this process keeps (its
+    producer lives: the event stays open for the next load)."""
+    import pickle
+
+    e = pickle.loads(open(path, "rb").read())
+    e.wait()
+    torch.cuda.synchronize()
+    done = e.query()
+    del e
+    for _ in range(3):
+        torch_ipc.collect()
+    say(done=done, events_open=_C.stats()["events_open"], **namespace())
+    hold_forever()
+
+
 if __name__ == "__main__":
     jobs = {"load": load, "client": client, "produce": produce, "fetch_fds": fetch_fds, "kv_attach": kv_attach,
-            "kv_own": kv_own, "weights_sub": weights_sub, "weights_pub": weights_pub}  # fmt: skip
+            "kv_own": kv_own, "weights_sub": weights_sub, "weights_pub": weights_pub, "event": event}  # fmt: skip
     jobs[sys.argv[1]](*sys.argv[2:])
