@@ -163,7 +163,44 @@ def event(path: str) -> None:
     hold_forever()
 
 
+def mp_client(address: str, authkey_hex: str, *flags: str) -> None:
+    """With init_reductions(): connect to a multiprocessing Listener at a
+    path, receive a CPU tensor, add 1, send its sum back; report; stay
+    ('hold') or wait for the producer's goodbye."""
+    from multiprocessing import connection as mpc
+
+    torch_ipc.init_reductions()
+    with mpc.Client(address, authkey=bytes.fromhex(authkey_hex)) as c:
+        x = c.recv()
+        x.add_(1)
+        c.send(float(x.sum()))
+        say(values=x.tolist(), **namespace())
+        if "hold" in flags:
+            hold_forever()
+        c.recv()
+
+
+def pipe_end(address: str, authkey_hex: str, *flags: str) -> None:
+    """Connect to a torch_ipc Listener at a path and receive one end of a
+    torch_ipc.Pipe; through it, receive a CPU tensor, add 1, send its sum
+    back; report; stay ('hold') or wait for the producer's goodbye."""
+    import multiprocessing
+
+    if "same-authkey" in flags:  # multiprocessing's fd sharing between unrelated processes checks it
+        multiprocessing.current_process().authkey = bytes.fromhex(authkey_hex)
+    with torch_ipc.connect(address, authkey=bytes.fromhex(authkey_hex)) as c:
+        end = c.recv()
+        x = end.recv()
+        x.add_(1)
+        end.send(float(x.sum()))
+        say(values=x.tolist(), kind=type(end).__name__, **namespace())
+        if "hold" in flags:
+            hold_forever()
+        end.recv()
+
+
 if __name__ == "__main__":
     jobs = {"load": load, "client": client, "produce": produce, "fetch_fds": fetch_fds, "kv_attach": kv_attach,
-            "kv_own": kv_own, "weights_sub": weights_sub, "weights_pub": weights_pub, "event": event}  # fmt: skip
+            "kv_own": kv_own, "weights_sub": weights_sub, "weights_pub": weights_pub, "event": event, "mp_client": mp_client,
+            "pipe_end": pipe_end}  # fmt: skip
     jobs[sys.argv[1]](*sys.argv[2:])
