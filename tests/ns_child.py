@@ -96,6 +96,8 @@ def kv_attach(path: str, n: str, device: str = "cpu") -> None:
     pool = SharedKVPool.attach(open(path, "rb").read(), KV_SHAPE, torch.int32)
     ids = pool.allocate(int(n))
     pool.scatter(ids, torch.full((len(ids), *KV_SHAPE), os.getpid(), dtype=torch.int32, device=pool.device))
+    if pool.device.type == "cuda":
+        torch.cuda.synchronize()  # the test reads these blocks from another process
     reclaimed = sum(pool.reclaim() for _ in range(3))
     for _ in range(3):
         torch_ipc.collect()
@@ -184,10 +186,6 @@ def pipe_end(address: str, authkey_hex: str, *flags: str) -> None:
     """Connect to a torch_ipc Listener at a path and receive one end of a
     torch_ipc.Pipe; through it, receive a CPU tensor, add 1, send its sum
     back; report; stay ('hold') or wait for the producer's goodbye."""
-    import multiprocessing
-
-    if "same-authkey" in flags:  # multiprocessing's fd sharing between unrelated processes checks it
-        multiprocessing.current_process().authkey = bytes.fromhex(authkey_hex)
     with torch_ipc.connect(address, authkey=bytes.fromhex(authkey_hex)) as c:
         end = c.recv()
         x = end.recv()

@@ -2,11 +2,11 @@
 a socket at a path: with init_reductions(), CPU tensors through
 multiprocessing's own connection (Listener/Client at a filesystem address);
 and one end of a torch_ipc.Pipe sent over a torch_ipc Connection at a path
-(multiprocessing's fd sharing, which needs the same multiprocessing authkey
-on both sides: docs/containers.md). Both ways the consumer maps the
+(its fds through the fd server: Note [fds for one fetch] in
+csrc/os/fd_passing.cpp; multiprocessing's own fd sharing would need one
+authkey and one temporary folder on both sides). Both ways the consumer maps the
 producer's memory, and one SIGKILLed in its namespace is reclaimed. The
 consumer runs tests/ns_child.py under unshare (tests/namespace_helpers.py)."""
-import multiprocessing
 import os
 import secrets
 from multiprocessing import connection as mpc
@@ -36,7 +36,6 @@ def _serve_multiprocessing(address: str, authkey: bytes) -> dict:
 
 def _serve_pipe_end(address: str, authkey: bytes) -> dict:
     torch_ipc.init_reductions()  # tensors through torch_ipc, not torch's own fd sharing
-    multiprocessing.current_process().authkey = authkey  # the consumer sets the same
     with torch_ipc.listen(address, authkey=authkey) as listener:
         with listener.accept() as conn:
             mine, theirs = torch_ipc.Pipe()
@@ -77,5 +76,4 @@ def test_init_reductions_over_a_multiprocessing_connection_at_a_path(tmp_path):
 
 
 def test_a_pipe_end_sent_over_a_connection_at_a_path(tmp_path):
-    _hand_over_and_kill(_serve_pipe_end, "pipe_end", str(tmp_path / "conn.sock"), secrets.token_bytes(16),
-                        "same-authkey")  # fmt: skip
+    _hand_over_and_kill(_serve_pipe_end, "pipe_end", str(tmp_path / "conn.sock"), secrets.token_bytes(16))
