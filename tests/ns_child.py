@@ -106,6 +106,19 @@ def kv_attach(path: str, n: str, device: str = "cpu") -> None:
     hold_forever()
 
 
+def kv_recv(address: str, authkey_hex: str) -> None:
+    """Connect to a torch_ipc Listener at a path, attach to the KV pool it
+    sends, receive a hand-over of blocks (taking them over), report; stay."""
+    from torch_ipc.kv import SharedKVPool
+
+    with torch_ipc.connect(address, authkey=bytes.fromhex(authkey_hex)) as c:
+        pool = SharedKVPool.attach(c, KV_SHAPE, torch.int32)
+        got = pool.recv(c)
+        say(ids=got.ids, meta=got.meta, held=sorted(pool.held()), seen=pool.gather(got.ids).reshape(-1).tolist(),
+            **namespace())  # fmt: skip
+        hold_forever()
+
+
 def kv_own(path: str, device: str = "cpu") -> None:
     """Create a KV pool of 8 blocks, hold 3 filled with 7, put its pickle in `path`, report; stay."""
     from torch_ipc.kv import SharedKVPool
@@ -199,6 +212,6 @@ def pipe_end(address: str, authkey_hex: str, *flags: str) -> None:
 
 if __name__ == "__main__":
     jobs = {"load": load, "client": client, "produce": produce, "fetch_fds": fetch_fds, "kv_attach": kv_attach,
-            "kv_own": kv_own, "weights_sub": weights_sub, "weights_pub": weights_pub, "event": event, "mp_client": mp_client,
+            "kv_own": kv_own, "kv_recv": kv_recv, "weights_sub": weights_sub, "weights_pub": weights_pub, "event": event, "mp_client": mp_client,
             "pipe_end": pipe_end}  # fmt: skip
     jobs[sys.argv[1]](*sys.argv[2:])

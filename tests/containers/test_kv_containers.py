@@ -6,6 +6,7 @@ blocks, one SIGKILLed in its namespace gives them back, and a dead owner is
 gone for those who attach after it. Peers in other namespaces run
 tests/ns_child.py under unshare (tests/namespace_helpers.py)."""
 import os
+import secrets
 
 import ipc_test_utils as u
 import pytest
@@ -78,6 +79,26 @@ def test_an_owner_in_other_namespaces_is_judged_by_its_life_file(tmp_path):
     # A process that attaches after the owner died is told so.
     with Peer(timeout=60) as late:
         assert late.call(_attach_error, data) == "ProducerGoneError"
+
+
+def test_blocks_handed_over_to_a_peer_in_other_namespaces(tmp_path):
+    # The hand-over names its sender by slot, pid, start time and life key;
+    # the reader takes the blocks over from a sender whose pid it cannot see.
+    address, key = str(tmp_path / "kv.sock"), secrets.token_bytes(16)
+    with SharedKVPool(8, SHAPE, torch.int32) as pool, torch_ipc.listen(address, authkey=key) as listener:
+        with NamespacedChild("kv_recv", address, key.hex(), timeout=120) as reader:
+            with listener.accept() as conn:
+                conn.send(pool)
+                ids = pool.allocate(3)
+                pool.scatter(ids, torch.full((3, *SHAPE), 5, dtype=torch.int32))
+                pool.send(ids, conn, meta="prefill done")
+                got = reader.next()
+            assert got["ids"] == ids and got["held"] == sorted(ids) and got["meta"] == "prefill done", got
+            assert got["seen"] == [5] * (3 * 2 * 4)
+            assert pool.held() == [] and pool.holder_of(ids[0]) == got["pid"] and pool.free_blocks == 5
+            assert pool.reclaim() == 0
+            reader.kill()
+        assert u.poll_until(lambda: (pool.reclaim(), pool.free_blocks == 8)[1], timeout=20), pool.holders()
 
 
 def test_a_pool_of_the_previous_layout_is_refused_clearly():
