@@ -85,5 +85,133 @@ def fetch_fds(pid: str, start: str, life: str, pidns: str, ident: str, mode: str
     say(contents=out)
 
 
+KV_SHAPE = (2, 4)
+
+
+def kv_attach(path: str, n: str, device: str = "cpu") -> None:
+    """Attach to the KV pool whose pickle is in `path`, allocate `n` blocks and
+    fill them with this pid, reclaim (nobody here is dead), report; stay."""
+    from torch_ipc.kv import SharedKVPool
+
+    pool = SharedKVPool.attach(open(path, "rb").read(), KV_SHAPE, torch.int32)
+    ids = pool.allocate(int(n))
+    pool.scatter(ids, torch.full((len(ids), *KV_SHAPE), os.getpid(), dtype=torch.int32, device=pool.device))
+    if pool.device.type == "cuda":
+        torch.cuda.synchronize()  # the test reads these blocks from another process
+    reclaimed = sum(pool.reclaim() for _ in range(3))
+    for _ in range(3):
+        torch_ipc.collect()
+    say(ids=ids, reclaimed=reclaimed, free=pool.free_blocks, holders=len(pool.holders()),
+        seen=pool.gather([0]).reshape(-1).tolist(), device=str(pool.device), **namespace())  # fmt: skip
+    hold_forever()
+
+
+def kv_recv(address: str, authkey_hex: str) -> None:
+    """Connect to a torch_ipc Listener at a path, attach to the KV pool it
+    sends, receive a hand-over of blocks (taking them over), report; stay."""
+    from torch_ipc.kv import SharedKVPool
+
+    with torch_ipc.connect(address, authkey=bytes.fromhex(authkey_hex)) as c:
+        pool = SharedKVPool.attach(c, KV_SHAPE, torch.int32)
+        got = pool.recv(c)
+        say(ids=got.ids, meta=got.meta, held=sorted(pool.held()), seen=pool.gather(got.ids).reshape(-1).tolist(),
+            **namespace())  # fmt: skip
+        hold_forever()
+
+
+def kv_own(path: str, device: str = "cpu") -> None:
+    """Create a KV pool of 8 blocks, hold 3 filled with 7, put its pickle in `path`, report; stay."""
+    from torch_ipc.kv import SharedKVPool
+
+    pool = SharedKVPool(8, KV_SHAPE, torch.int32, device)
+    ids = pool.allocate(3)
+    pool.scatter(ids, torch.full((3, *KV_SHAPE), 7, dtype=torch.int32, device=device))
+    if device != "cpu":
+        torch.cuda.synchronize()
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(torch_ipc.dumps(pool))
+    os.rename(tmp, path)
+    say(ids=ids, **namespace())
+    hold_forever()
+
+
+def weights_sub(address: str, authkey_hex: str, device: str = "cpu") -> None:
+    """A weights Subscriber of the Publisher listening at `address`: pull
+    version 1, report (whether it is the publisher's model), stay."""
+    import weights_helpers as h
+
+    sub = h.Subscriber(h.Connector(address, bytes.fromhex(authkey_hex), wait=60), timeout=60)
+    model = h.make_weights(device, fill=0.0)
+    try:
+        version = sub.pull(model, timeout=60)
+    except Exception as e:  # reported, not raised: the test checks which error
+        say(error=type(e).__name__, message=str(e), **namespace())
+        return
+    say(version=version, same=h.bits(model) == h.bits(h.make_weights()), alive=sub.publisher_alive(), **namespace())
+    hold_forever()
+
+
+def weights_pub(address: str, authkey_hex: str, device: str = "cpu") -> None:
+    """A weights Publisher at `address`: attach one subscriber, publish version 1, report, stay."""
+    import weights_helpers as h
+
+    version = h.pub_serve(address, bytes.fromhex(authkey_hex), device=device)
+    say(version=version, subscribers=h.HELD["pub"].subscribers, **namespace())
+    hold_forever()
+
+
+def event(path: str) -> None:
+    """Load the IpcEvent pickled in `path`, order this stream after it, drop
+    it, collect; report how many opened events this process keeps (its
+    producer lives: the event stays open for the next load)."""
+    import pickle
+
+    e = pickle.loads(open(path, "rb").read())
+    e.wait()
+    torch.cuda.synchronize()
+    done = e.query()
+    del e
+    for _ in range(3):
+        torch_ipc.collect()
+    say(done=done, events_open=_C.stats()["events_open"], **namespace())
+    hold_forever()
+
+
+def mp_client(address: str, authkey_hex: str, *flags: str) -> None:
+    """With init_reductions(): connect to a multiprocessing Listener at a
+    path, receive a CPU tensor, add 1, send its sum back; report; stay
+    ('hold') or wait for the producer's goodbye."""
+    from multiprocessing import connection as mpc
+
+    torch_ipc.init_reductions()
+    with mpc.Client(address, authkey=bytes.fromhex(authkey_hex)) as c:
+        x = c.recv()
+        x.add_(1)
+        c.send(float(x.sum()))
+        say(values=x.tolist(), **namespace())
+        if "hold" in flags:
+            hold_forever()
+        c.recv()
+
+
+def pipe_end(address: str, authkey_hex: str, *flags: str) -> None:
+    """Connect to a torch_ipc Listener at a path and receive one end of a
+    torch_ipc.Pipe; through it, receive a CPU tensor, add 1, send its sum
+    back; report; stay ('hold') or wait for the producer's goodbye."""
+    with torch_ipc.connect(address, authkey=bytes.fromhex(authkey_hex)) as c:
+        end = c.recv()
+        x = end.recv()
+        x.add_(1)
+        end.send(float(x.sum()))
+        say(values=x.tolist(), kind=type(end).__name__, **namespace())
+        if "hold" in flags:
+            hold_forever()
+        end.recv()
+
+
 if __name__ == "__main__":
-    {"load": load, "client": client, "produce": produce, "fetch_fds": fetch_fds}[sys.argv[1]](*sys.argv[2:])
+    jobs = {"load": load, "client": client, "produce": produce, "fetch_fds": fetch_fds, "kv_attach": kv_attach,
+            "kv_own": kv_own, "kv_recv": kv_recv, "weights_sub": weights_sub, "weights_pub": weights_pub, "event": event, "mp_client": mp_client,
+            "pipe_end": pipe_end}  # fmt: skip
+    jobs[sys.argv[1]](*sys.argv[2:])

@@ -73,6 +73,7 @@ constexpr int kAnswerSeconds = 10;  // how long a client waits for each reply
 struct Server {
   std::mutex mu;
   std::unordered_map<uint64_t, std::vector<PublishedItem>> published;
+  std::unordered_map<uint64_t, std::vector<UniqueFd>> once;  // Note [fds for one fetch]
   pid_t started_by = 0;     // the pid whose thread serves; another pid (a fork) restarts
   uint32_t tag = 0;         // the random part of its socket name, Note [fd server name]
   int listening = -1;       // its socket
@@ -203,6 +204,8 @@ void serve_one(int sock) {
     }
     if (items.empty()) break;
   }
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.once.erase(req.id) != 0) s.published.erase(req.id);  // Note [fds for one fetch]
 }
 
 void serve_forever(int listener) {
@@ -570,6 +573,10 @@ FdTransport fd_transport_from_env() {
 void fd_server_forget_after_fork() {
   if (server().listening >= 0) ::close(server().listening);
   if (server().listening_path >= 0) ::close(server().listening_path);  // its path stays the parent's
+  {
+    std::unique_lock<std::mutex> lock(server().mu, std::try_to_lock);
+    if (lock.owns_lock()) server().once.clear();  // the child's copies: a peer must see the parent close them
+  }
   forget_after_fork<Server>();
   forget_after_fork<RefusedOwners>();
 }
@@ -590,6 +597,26 @@ void fd_unpublish(uint64_t id) noexcept {
   Server& s = server();
   std::lock_guard<std::mutex> lock(s.mu);
   s.published.erase(id);
+  s.once.erase(id);
+}
+
+// Note [fds for one fetch]
+// A torch_ipc.Pipe end pickled for a process that this one did not start
+// (sent over a Connection at a path, to another container) travels as the
+// fd server's id for its fds, and the server keeps duplicates of them until
+// one fetch took them, then closes its own, as multiprocessing's
+// resource_sharer does for a pickled connection; but through the fd server,
+// so that no shared authkey or temporary folder is needed and a peer of
+// another network namespace reaches it at its path. A pickle never loaded
+// keeps its fds in this process until it exits (or fd_unpublish).
+uint64_t fd_publish_once(std::vector<UniqueFd> fds) {
+  std::vector<PublishedItem> items;
+  for (const auto& fd : fds) items.push_back(PublishedItem{0, fd.get(), {}});
+  Server& s = server();
+  const uint64_t id = fd_publish(items);
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.once.emplace(id, std::move(fds));
+  return id;
 }
 
 // Note [choosing a transport]

@@ -38,6 +38,10 @@ FdTransport fd_transport_from_env();
 // until fd_unpublish(id) returns; the server sends duplicates.
 uint64_t fd_publish(const std::vector<PublishedItem>& items);
 void fd_unpublish(uint64_t id) noexcept;
+// Publish `fds`, owned by the server from here on, for one fetch: it closes
+// them once it has sent them (Note [fds for one fetch] in fd_passing.cpp);
+// fd_unpublish drops them unsent.
+uint64_t fd_publish_once(std::vector<UniqueFd> fds);
 
 // ---- consumer side
 // The items `owner` published under `id`. `remote_fds`: the owner's own fd

@@ -3,11 +3,13 @@
 #include "os/channel.h"
 
 #include <cerrno>
+#include <fcntl.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include "base/errors.h"
 
+#include "os/fd_passing.h"
 #include "os/ring.h"
 #include "os/ring_segment.h"
 
@@ -112,6 +114,36 @@ int64_t timeout_ns(const py::object& seconds) {
   return s <= 0 ? 0 : int64_t(s * 1e9);
 }
 
+// A torch_ipc.Pipe end for a process its owner did not start (Note [fds for one fetch]).
+void bind_channel_fds(py::module_& m) {
+  m.def(
+      "channel_publish_fds",
+      [](const std::vector<int>& fds) {
+        std::vector<UniqueFd> dups;
+        for (int fd : fds) {
+          dups.emplace_back(fcntl(fd, F_DUPFD_CLOEXEC, 0));
+          if (dups.back().get() < 0) throw_os_error("fcntl(F_DUPFD_CLOEXEC)", "of a channel's fd");
+        }
+        return fd_publish_once(std::move(dups));
+      },
+      py::arg("fds"),
+      "Duplicates of `fds`, published by the fd server for one fetch (Note [fds for one fetch]); returns its id.");
+  m.def(
+      "channel_fetch_fds",
+      [](uint32_t pid, uint64_t start_time, uint32_t life, uint32_t pidns, uint64_t id) {
+        std::vector<ReceivedItem> items;
+        {
+          py::gil_scoped_release release;
+          items = fd_fetch(ProcessId{pid, start_time, life, pidns}, id, {});
+        }
+        std::vector<int> out;  // the caller's to close
+        for (auto& item : items) out.push_back(item.fd.release());
+        return out;
+      },
+      py::arg("pid"), py::arg("start_time"), py::arg("life"), py::arg("pidns"), py::arg("id"),
+      "The fds that process published under `id` (channel_publish_fds there), through its fd server.");
+}
+
 }  // namespace
 
 void bind_channel(py::module_& m) {
@@ -156,6 +188,7 @@ void bind_channel(py::module_& m) {
         return py::make_tuple(fds.memory.release(), fds.bell[0].release(), fds.bell[1].release());
       },
       py::arg("ring_bytes"), "a new channel segment: (memory fd, bell0 fd, bell1 fd), the caller's to close");
+  bind_channel_fds(m);
   set_wait_interrupt_check(&python_signal_raised);
   m.def(
       "check_channel_memory",

@@ -23,6 +23,20 @@ std::pair<const int64_t*, size_t> ids_of(const py::bytes& packed) {
 }
 
 py::tuple process_tuple(const ProcessId& p) { return py::make_tuple(p.pid, p.start_time); }
+// (pid, start time, life key, PID namespace): Note [pool slots across PID namespaces].
+py::tuple identity_tuple(const ProcessId& p) { return py::make_tuple(p.pid, p.start_time, p.life, p.pidns); }
+
+// [(process, blocks held)] for every attached process, the process as `as_tuple` makes it.
+py::list holder_list(const Allocator& a, py::tuple (*as_tuple)(const ProcessId&)) {
+  std::vector<PoolHolder> holders;
+  {
+    py::gil_scoped_release release;
+    holders = a.holders();
+  }
+  py::list out;
+  for (const auto& h : holders) out.append(py::make_tuple(as_tuple(h.process), h.blocks));
+  return out;
+}
 
 // Who holds which block: hand-outs, hand-backs, hand-overs and the holders.
 void bind_block_ownership(py::class_<Allocator>& c) {
@@ -40,10 +54,10 @@ void bind_block_ownership(py::class_<Allocator>& c) {
              a.check_held(p, n);
            })
       .def("take_over",
-           [](Allocator& a, const py::bytes& ids, uint32_t slot, uint32_t pid, uint64_t start_time) {
+           [](Allocator& a, const py::bytes& ids, uint32_t slot, uint32_t pid, uint64_t start_time, uint32_t life) {
              auto [p, n] = ids_of(ids);
              py::gil_scoped_release release;
-             a.take_over(p, n, slot, ProcessId{pid, start_time});
+             a.take_over(p, n, slot, ProcessId{pid, start_time, life});
            })
       .def("reclaim_dead", &Allocator::reclaim_dead, py::arg("wait") = true, ReleaseGil())
       .def("holder_of",
@@ -55,17 +69,8 @@ void bind_block_ownership(py::class_<Allocator>& c) {
              }
              return process_tuple(p);
            })
-      .def("holders",
-           [](const Allocator& a) {
-             std::vector<PoolHolder> holders;
-             {
-               py::gil_scoped_release release;
-               holders = a.holders();
-             }
-             py::list out;
-             for (const auto& h : holders) out.append(py::make_tuple(process_tuple(h.process), h.blocks));
-             return out;
-           })
+      .def("holders", [](const Allocator& a) { return holder_list(a, process_tuple); })
+      .def("holder_identities", [](const Allocator& a) { return holder_list(a, identity_tuple); })
       .def("held_by_self", &Allocator::held_by_self, ReleaseGil());
 }
 
@@ -84,10 +89,11 @@ void bind_kv(py::module_& m) {
        py::arg("shape"), py::arg("dtype"), py::arg("max_blocks"), ReleaseGil())
       .def_static(
           "attach",
-          [](const std::string& name, uint32_t pid, uint64_t start_time) {
-            return Allocator::attach(name, ProcessId{pid, start_time});
+          [](const std::string& name, uint32_t pid, uint64_t start_time, uint32_t life, uint32_t pidns) {
+            return Allocator::attach(name, ProcessId{pid, start_time, life, pidns});
           },
-          py::arg("name"), py::arg("pid"), py::arg("start_time"), ReleaseGil())
+          py::arg("name"), py::arg("pid"), py::arg("start_time"), py::arg("life") = 0, py::arg("pidns") = 0,
+          ReleaseGil())
       .def_readonly_static("max_chunks", &Allocator::kMaxChunks)
       .def_property_readonly("name", &Allocator::name)
       .def_property_readonly("layout",

@@ -521,3 +521,37 @@ def test_objects_without_a_reducer_are_pickled_as_forkingpickler_would():
             assert b.recv() == obj
         a.send(_Holder(torch.arange(3)))
         assert torch.equal(b.recv().value, torch.arange(3))
+
+
+def _load_end_and_echo(data: bytes) -> str:
+    import pickle
+
+    try:
+        end = pickle.loads(data)
+    except Exception as e:  # the test checks which error
+        return f"{type(e).__name__}: {e}"
+    end.send(("echo", end.recv()))
+    end.close()
+    return "echoed"
+
+
+def test_an_end_pickled_for_a_process_it_did_not_start_is_fetched_once():
+    # Not a child being started: the end travels as an id of the fd server
+    # (Note [fds for one fetch] in csrc/os/fd_passing.cpp), not through
+    # multiprocessing's fd sharing, which refuses an unrelated process whose
+    # authkey differs. The second load finds nothing: the fds went once.
+    import pickle
+
+    from torch_ipc.testing import Peer
+
+    mine, theirs = torch_ipc.Pipe()
+    data = pickle.dumps(theirs)
+    theirs.close()
+    served = _C.stats()["fd_served"]
+    with Peer(timeout=TIMEOUT) as first, Peer(timeout=TIMEOUT) as second:
+        first.start_call(_load_end_and_echo, data)
+        mine.send(7)
+        assert mine.recv() == ("echo", 7) and first.result() == "echoed"
+        assert _C.stats()["fd_served"] == served + 1
+        assert second.call(_load_end_and_echo, data).startswith("ReleasedError")
+    mine.close()

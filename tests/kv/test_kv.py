@@ -126,8 +126,8 @@ def make_pool_and_hold(device: str, num_blocks: int) -> bytes:
     return torch_ipc.dumps(pool)
 
 
-def self_process() -> tuple:
-    return torch_ipc._C.self_process()
+def self_identity() -> tuple:
+    return torch_ipc._C.self_identity()
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -395,9 +395,9 @@ def test_hand_over_errors(pool, ipc_peer):
     # The sender leaves before the reader takes the blocks over: they went back.
     ipc_peer.call(attach, torch_ipc.dumps(pool))
     theirs = ipc_peer.call(allocate, 3)
-    pid, start = ipc_peer.call(self_process)
+    pid, start, life, _ = ipc_peer.call(self_identity)
     ipc_peer.call(close_pool)
-    message = ("torch_ipc.kv/1", pool._state.name, 1, pid, start, True, torch_ipc.kv._ids.pack(theirs).tobytes(),
+    message = ("torch_ipc.kv/2", pool._state.name, 1, pid, start, life, True, torch_ipc.kv._ids.pack(theirs).tobytes(),
                None, None)
     a.send(message)
     with pytest.raises(ValueError, match="no longer attached"):

@@ -110,12 +110,13 @@ def weights_pair():
 
 
 def _recycled_word() -> int:
-    """A process word of our pid with another start time."""
-    pid, start_time = _process.self_process()
-    return (start_time + 1) << ctl._PID_BITS | pid
+    """A process word of our pid and a life key nobody holds: a process that died."""
+    pid = _process.self_process()[0]
+    key = next(k for k in range(0x1234567, 0x1235567) if not os.path.exists(f"/dev/shm/torch_ipc.life.{k:08x}"))
+    return key << ctl._PID_BITS | pid
 
 
-def test_a_weights_slot_held_by_a_recycled_pid_is_taken_back(weights_pair):
+def test_a_weights_slot_held_by_a_dead_process_of_our_pid_is_taken_back(weights_pair):
     pub, sub, conn = weights_pair
     owner = ctl.slot_index(sub._slot, ctl.OWNER)
     assert pub._counters.load(owner) == ctl.self_word()
@@ -133,9 +134,9 @@ def test_a_publisher_whose_pid_is_recycled_is_gone(weights_pair):
     assert not sub.publisher_alive()
 
 
-def test_a_process_word_holds_pid_and_start_time():
-    pid, start_time = _process.self_process()
+def test_a_process_word_holds_pid_and_life_key():
+    pid, _, key, _ = _process.self_identity()
     word = ctl.self_word()
-    assert word > 0 and ctl.word_pid(word) == pid and word >> ctl._PID_BITS == start_time
+    assert word > 0 and ctl.word_pid(word) == pid and word >> ctl._PID_BITS == key
     assert ctl.word_alive(word)
     assert not ctl.word_alive(0) and not ctl.word_alive(-1)

@@ -239,25 +239,27 @@ def test_ipc_event_refuses_a_stream_of_another_gpu():
 # ----------------------------------------------------------------------------- IpcEvent state (CPU too)
 
 def _state(**fields) -> bytes:
-    values = {"magic": b"TIEV", "version": 1, "handle": bytes(64), "uuid": bytes(16), "boot": bytes(16),
-              "pid": 1, "reserved": 0, "start": 0}
+    values = {"magic": b"TIEV", "version": 2, "handle": bytes(64), "uuid": bytes(16), "boot": bytes(16),
+              "pid": 1, "reserved": 0, "start": 0, "life": 0, "pidns": 0}
     values.update(fields)
-    return struct.pack("<4sI64s16s16sIIQ", values["magic"], values["version"], values["handle"], values["uuid"],
-                       values["boot"], values["pid"], values["reserved"], values["start"])
+    return struct.pack("<4sI64s16s16sIIQII", values["magic"], values["version"], values["handle"], values["uuid"],
+                       values["boot"], values["pid"], values["reserved"], values["start"], values["life"],
+                       values["pidns"])
 
 
 @pytest.mark.parametrize(
     "state, message",
     [
-        (b"", "0 bytes, expected 120"),
-        (_state()[:-1], "119 bytes"),
+        (b"", "0 bytes, expected 128"),
+        (_state()[:-1], "127 bytes"),
         (_state(magic=b"XXXX"), "not an IpcEvent"),
-        (_state(version=2), "format version 2"),
+        (_state(version=3), "format version 3"),
+        (_state(version=1)[:120], "format version 1 .*another torch_ipc version"),  # pid and start time only
         (_state(reserved=7), "reserved"),
         (_state(pid=0), "no producer"),
         (_state(), "another machine or an earlier boot"),  # boot id of zeros
     ],
-    ids=["empty", "short", "magic", "version", "reserved", "pid", "boot"],
+    ids=["empty", "short", "magic", "version", "version-1", "reserved", "pid", "boot"],
 )
 def test_ipc_event_state_is_checked_before_use(state, message):
     with pytest.raises(torch_ipc.DescriptorError, match=message):

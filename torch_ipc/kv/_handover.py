@@ -21,7 +21,7 @@ from ._chunks import Chunks
 from ._ids import Ids, pack_bytes
 from ._state import PoolState
 
-_MESSAGE_TAG = "torch_ipc.kv/1"
+_MESSAGE_TAG = "torch_ipc.kv/2"  # 2: the sender with its life key (Note [pool slots across PID namespaces])
 _EVENTS_PER_STREAM = 4  # Note [event pool] in csrc/cuda/events.cpp: fewer reuses, fewer over-waits
 
 
@@ -64,15 +64,15 @@ class HandoverEnds:
     def recv(self, conn: Any, stream: Optional[torch.cuda.Stream]) -> Handover:
         s = self._state
         message = conn.recv() if hasattr(conn, "recv") else conn.get()
-        if not (isinstance(message, tuple) and len(message) == 9 and message[0] == _MESSAGE_TAG):
+        if not (isinstance(message, tuple) and len(message) == 10 and message[0] == _MESSAGE_TAG):
             raise ValueError(f"torch_ipc: expected a KV pool hand-over, got {type(message).__name__}")
-        _, name, slot, pid, start, transfer, packed, event, meta = message
+        _, name, slot, pid, start, life, transfer, packed, event, meta = message
         if name != s.name:
             raise ValueError(f"torch_ipc: a hand-over of KV pool {name}, not of this pool ({s.name})")
         ids = array("q")
         ids.frombytes(packed)
         if transfer:
-            s.allocator.take_over(packed, slot, pid, start)
+            s.allocator.take_over(packed, slot, pid, start, life)
         if s.allocator.num_blocks != s.mapped:  # grown: map the new chunks first
             self._chunks.refresh()
         if event is not None:

@@ -7,7 +7,7 @@ import threading
 
 from .. import _C
 from ._ownership import Ownership
-from ._state import PoolState
+from ._state import PoolState, sender
 
 
 class Lifetime:
@@ -33,7 +33,7 @@ class Lifetime:
         s.allocator = _C.BlockAllocator.attach(s.name, *s.creator)
         s.allocator.lock_timeout = timeout
         s.pid = os.getpid()
-        s.sender = (s.allocator.slot, *_C.self_process())
+        s.sender = sender(s.allocator)
         s.owner = False
         s.exports = []
         s.events = {}

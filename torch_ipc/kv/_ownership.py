@@ -78,7 +78,11 @@ class Ownership:
         return pid or None
 
     def holders(self) -> Dict[int, int]:
-        return {pid: n for (pid, _), n in self._state.allocator.holders()}
+        """pid -> blocks; two processes of two PID namespaces with one pid add up under it."""
+        out: Dict[int, int] = {}
+        for (pid, _), n in self._state.allocator.holders():
+            out[pid] = out.get(pid, 0) + n
+        return out
 
     def reclaim(self) -> int:
         if self._state.pending_frees:

@@ -27,13 +27,13 @@ class PoolState:
     block_shape: Tuple[int, ...]  # one block's shape
     dtype: torch.dtype  # the blocks' dtype
     block_bytes: int  # bytes of one block
-    creator: Tuple[int, int]  # (pid, start time) of the process that created the pool
+    creator: Tuple[int, ...]  # (pid, start time, life key, PID namespace) of the process that created the pool
 
     # This process's attachment (a forked child makes its own: _lifetime.py).
     allocator: Optional[_C.BlockAllocator]  # the segment as this process sees it; None once closed
     owner: bool  # this process created the pool: it grows it, and close() unlinks it
     pid: int  # the process `allocator` belongs to
-    sender: Tuple[int, int, int]  # (holder slot, pid, start time): what a hand-over names as its sender
+    sender: Tuple[int, int, int, int]  # (holder slot, pid, start time, life key): a hand-over's sender
     lock: threading.RLock  # orders this process's threads over the chunks and the pending frees
     closed: bool = False  # close() ran: every call but close() raises
 
@@ -55,7 +55,7 @@ class PoolState:
     next_event: int = 0  # counts the events handed out, to pick the next of a ring
 
     @classmethod
-    def of(cls, allocator: _C.BlockAllocator, *, owner: bool, creator: Tuple[int, int],
+    def of(cls, allocator: _C.BlockAllocator, *, owner: bool, creator: Tuple[int, ...],
            device: Optional[torch.device], vmm: bool) -> "PoolState":
         """The state of a pool this process has just created (`owner`) or attached to."""
         shape, dtype, block_bytes = allocator.layout
@@ -68,8 +68,15 @@ class PoolState:
             allocator=allocator,
             owner=owner,
             pid=os.getpid(),
-            sender=(allocator.slot, *_C.self_process()),
+            sender=sender(allocator),
             lock=threading.RLock(),
             device=device,
             vmm=vmm,
         )
+
+
+def sender(allocator: _C.BlockAllocator) -> Tuple[int, int, int, int]:
+    """What a hand-over names as its sender: this process's slot and identity
+    (Note [pool slots across PID namespaces] in csrc/features/kv/pool_segment.h)."""
+    pid, start_time, life, _ = _C.self_identity()
+    return (allocator.slot, pid, start_time, life)

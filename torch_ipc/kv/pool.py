@@ -95,7 +95,7 @@ class SharedKVPool(Closeable):
             )
         _runtime.ensure_started()
         allocator = _C.BlockAllocator.create([int(s) for s in block_shape], dtype, max_blocks)
-        self._assemble(PoolState.of(allocator, owner=True, creator=_C.self_process(), device=device,
+        self._assemble(PoolState.of(allocator, owner=True, creator=_C.self_identity(), device=device,
                                     vmm=vmm and device.type == "cuda"))
         try:
             for first in range(0, num_blocks, chunk):
@@ -346,16 +346,19 @@ class SharedKVPool(Closeable):
         self._lifetime.close()
 
 
-def _load_pool(name: str, pid: int, start_time: int) -> SharedKVPool:
-    """Unpickling a pool: this process's open pool of that name, or a new attachment (chunks mapped lazily)."""
+def _load_pool(name: str, pid: int, start_time: int, life: int = 0, pidns: int = 0) -> SharedKVPool:
+    """Unpickling a pool: this process's open pool of that name, or a new attachment (chunks mapped lazily).
+    The creator's life key and PID namespace let a process of another PID
+    namespace judge it (Note [pool slots across PID namespaces])."""
     pool = _registry.find(name)
     if pool is not None and not pool.closed:
         pool._check_open()  # a forked child's own attachment
         return pool
     _runtime.ensure_started()
-    allocator = _C.BlockAllocator.attach(name, pid, start_time)
+    creator = (pid, start_time, life, pidns)
+    allocator = _C.BlockAllocator.attach(name, *creator)
     pool = SharedKVPool.__new__(SharedKVPool)
-    pool._assemble(PoolState.of(allocator, owner=False, creator=(pid, start_time), device=None, vmm=False))
+    pool._assemble(PoolState.of(allocator, owner=False, creator=creator, device=None, vmm=False))
     return pool
 
 

@@ -37,7 +37,7 @@ import threading
 import time
 import weakref
 from multiprocessing import connection as mpc
-from multiprocessing import reduction
+from multiprocessing import context, reduction
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional, Tuple
 
@@ -159,8 +159,12 @@ class RingConnection:
     def __reduce__(self):
         if self.closed:
             raise OSError("torch_ipc: cannot pass a closed connection")
-        fds = tuple(reduction.DupFd(fd) for fd in self._channel.fds())
-        return (_rebuild, (fds, self._channel.side, self._channel.ring_bytes, self._readable, self._writable))
+        shape = (self._channel.side, self._channel.ring_bytes, self._readable, self._writable)
+        if context.get_spawning_popen() is not None:  # a child being started: its fds go along
+            return (_rebuild, (tuple(reduction.DupFd(fd) for fd in self._channel.fds()), *shape))
+        # Any other process, in another container too: Note [fds for one fetch] in csrc/os/fd_passing.cpp.
+        owner = tuple(_C.self_identity())
+        return (_rebuild_fetched, (owner, _C.channel_publish_fds(list(self._channel.fds())), *shape))
 
     # ---- torch_ipc's own
 
@@ -235,6 +239,16 @@ def _channel(memory: int, sock: int, bells: Tuple[int, int], side: int, ring_byt
 def _rebuild(fds, side: int, ring_bytes: int, readable: bool, writable: bool) -> RingConnection:
     owned = [df.detach() for df in fds]
     return RingConnection(_C.Channel(*owned, side, ring_bytes), readable, writable)
+
+
+def _rebuild_fetched(owner: tuple, ident: int, side: int, ring_bytes: int, readable: bool,
+                     writable: bool) -> RingConnection:
+    """An end pickled for a process its owner did not start: its fds from the owner's fd server."""
+    fds = _C.channel_fetch_fds(*owner, ident)
+    if len(fds) != 4:
+        _close_fds(fds)
+        raise OSError(f"torch_ipc: a Pipe end came with {len(fds)} file descriptors, not 4")
+    return RingConnection(_C.Channel(*fds, side, ring_bytes), readable, writable)
 
 
 def Pipe(duplex: bool = True, *, ring_bytes: int = RING_BYTES) -> Tuple[RingConnection, RingConnection]:

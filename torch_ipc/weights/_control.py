@@ -67,16 +67,27 @@ from .. import _C, _process
 #   words, not into the KV table's mutex.
 
 # Note [process words]
-# OWNER and PUBLISHER name a process by pid AND start time (torch_ipc._process),
-# as every liveness check of torch_ipc does, so a recycled pid never keeps a
-# dead subscriber's slot or passes for a dead publisher. Claiming a slot must
-# stay one compare-exchange, so both go in one int64: the pid in the low 22
-# bits (Linux pids stay below PID_MAX_LIMIT, 2**22) and the start time (clock
-# ticks after boot) in the 41 above (700 years at 100 ticks a second); the
-# word is positive, leaving 0 and -1 for "free" and "reserved".
+# OWNER and PUBLISHER name a process by its life key (Note [life files] in
+# csrc/os/life.h): the publisher and a subscriber may live in different PID
+# namespaces (containers sharing /dev/shm), where the other's pid names
+# nothing or an unrelated process, while a life file's lock tells the same
+# in every namespace: held, it lives; free or gone, it died; not readable,
+# it counts as alive. A process exits or execs and its lock goes, so a dead
+# subscriber never keeps its slot; a key is taken again only once its file is
+# gone and then at random among 2**31, so a dead publisher practically never
+# passes for alive (and at worst looks alive, never dead while it lives).
+# Claiming a slot must stay one compare-exchange, so the word is one int64:
+# the pid (in its own namespace, for messages only) in the low 22 bits (Linux
+# pids stay below PID_MAX_LIMIT, 2**22) and the life key (31 bits) above; the
+# word is positive, leaving 0 and -1 for "free" and "reserved". A check costs
+# ~1 us (a cached fd: fstat and F_OFD_GETLK), made when a slot is looked for,
+# every ~10 ms of a wait, and when an event is not complete yet. Layout
+# version 2 put the start time where the key is: refused (Counters).
 _PID_BITS = 22
+_KEY_BITS = 31
 
-MAGIC_VALUE = 0x7765_6967_6874_7302  # "weights" and layout version 2
+MAGIC_VALUE = 0x7765_6967_6874_7303  # "weights" and layout version 3
+_MAGIC_OF_VERSION_2 = 0x7765_6967_6874_7302
 MAGIC, PUBLISHED, WRITING, BUCKET_SEQ, STREAM_BASE, STREAM_VERSION, MEMBERS, PUBLISHER = range(8)
 HEADER = 8
 OWNER, READING, PULLS, TAKEN = range(4)
@@ -108,7 +119,12 @@ class Counters:
     __slots__ = ("block",)
 
     def __init__(self, block: torch.Tensor):
-        if block.dtype != torch.int64 or block.numel() < HEADER + SLOT_WORDS or int(block[MAGIC]) != MAGIC_VALUE:
+        if block.dtype != torch.int64 or block.numel() < HEADER + SLOT_WORDS:
+            raise ValueError("torch_ipc.weights: not a weights control block")
+        if int(block[MAGIC]) == _MAGIC_OF_VERSION_2:
+            raise ValueError("torch_ipc.weights: the publisher runs another torch_ipc version (control block "
+                             "layout 2, this one reads 3); use one torch_ipc version on both sides")
+        if int(block[MAGIC]) != MAGIC_VALUE:
             raise ValueError("torch_ipc.weights: not a weights control block")
         self.block = block
 
@@ -124,10 +140,13 @@ class Counters:
 
 def self_word() -> int:
     """This process as an OWNER or PUBLISHER word (Note [process words])."""
-    pid, start_time = _process.self_process()
-    if pid >> _PID_BITS or start_time >> (63 - _PID_BITS):
-        raise RuntimeError(f"torch_ipc.weights: process ({pid}, {start_time}) does not fit a control word")
-    return start_time << _PID_BITS | pid
+    pid, _, key, _ = _process.self_identity()
+    if key == 0:
+        raise OSError(_C.life_file_error(), "torch_ipc.weights: cannot create this process's life file in "
+                      "/dev/shm: a control word names a process by it (Note [process words])")
+    if pid >> _PID_BITS or key >> _KEY_BITS:
+        raise RuntimeError(f"torch_ipc.weights: process ({pid}, key {key}) does not fit a control word")
+    return key << _PID_BITS | pid
 
 
 def word_pid(word: int) -> int:
@@ -135,8 +154,9 @@ def word_pid(word: int) -> int:
 
 
 def word_alive(word: int) -> bool:
-    """Whether the process of a word (0, -1: none) still runs."""
-    return word > 0 and _process.alive((word_pid(word), word >> _PID_BITS))
+    """Whether the process of a word (0, -1: none) still runs; one that could
+    not be checked counts as alive (Note [process words])."""
+    return word > 0 and _C.life_key_alive((word >> _PID_BITS) & ((1 << _KEY_BITS) - 1))
 
 
 def spin_until(ready: Callable[[], bool], check: Callable[[], None], deadline: float) -> None:

@@ -16,8 +16,13 @@ namespace torch_ipc {
 namespace {
 
 // The pickled state: fixed size, every field checked before use.
+// Version 2 names the maker as every descriptor does (ProcessId, base/ids.h):
+// with its life key and PID namespace, so that a process of another PID
+// namespace judges it by its life file and not by an unrelated process of
+// the same pid (Note [life files] in os/life.h); version 1 named pid and start
+// time only and is refused.
 constexpr char kEventMagic[4] = {'T', 'I', 'E', 'V'};
-constexpr uint32_t kStateVersion = 1;
+constexpr uint32_t kStateVersion = 2;
 
 struct State {
   char magic[4];
@@ -28,8 +33,10 @@ struct State {
   uint32_t producer_pid;
   uint32_t reserved;  // zero
   uint64_t producer_start_time;
+  uint32_t producer_life;   // its life key (0: it had none)
+  uint32_t producer_pidns;  // the inode of its PID namespace (0: unknown)
 };
-static_assert(sizeof(State) == 120, "IpcEvent state layout");
+static_assert(sizeof(State) == 128, "IpcEvent state layout");
 
 // Events this process made and still has, for unpickling them here: a
 // process cannot open its own IPC handle.
@@ -47,11 +54,18 @@ OwnEvents& own_events() { return *process_state<OwnEvents>(); }
 
 State parse_state(const std::string& bytes) {
   State s;
+  // The version first: a state of another version has another size.
+  if (bytes.size() >= 8 && std::memcmp(bytes.data(), kEventMagic, 4) == 0) {
+    uint32_t version;
+    std::memcpy(&version, bytes.data() + 4, 4);
+    if (version != kStateVersion)
+      malformed(str("format version ", version, " (this torch_ipc reads version ", kStateVersion,
+                    "): it comes from another torch_ipc version; use one version in every process"));
+  }
   if (bytes.size() != sizeof(State))
     malformed(std::to_string(bytes.size()) + " bytes, expected " + std::to_string(sizeof(State)));
   std::memcpy(&s, bytes.data(), sizeof(State));
   if (std::memcmp(s.magic, kEventMagic, 4) != 0) malformed("not an IpcEvent");
-  if (s.version != kStateVersion) malformed("format version " + std::to_string(s.version));
   if (s.reserved != 0) malformed("reserved field is not zero");
   if (s.producer_pid == 0) malformed("no producer");
   Uuid boot{};
@@ -90,7 +104,7 @@ std::shared_ptr<IpcEvent> IpcEvent::from_state(const std::string& bytes) {
   Uuid uuid;
   std::memcpy(uuid.data(), s.device_uuid, 16);
   const int device = device_for_uuid(uuid);
-  const ProcessId producer{s.producer_pid, s.producer_start_time};
+  const ProcessId producer{s.producer_pid, s.producer_start_time, s.producer_life, s.producer_pidns};
   if (producer == self_process()) {
     OwnEvents& own = own_events();
     std::lock_guard<std::mutex> lock(own.mu);
@@ -112,6 +126,8 @@ std::string IpcEvent::state() const {
   std::memcpy(s.boot_id, boot_id().data(), 16);
   s.producer_pid = event_->producer.pid;
   s.producer_start_time = event_->producer.start_time;
+  s.producer_life = event_->producer.life;
+  s.producer_pidns = event_->producer.pidns;
   return std::string(reinterpret_cast<const char*>(&s), sizeof(s));
 }
 

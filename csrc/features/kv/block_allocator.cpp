@@ -32,7 +32,9 @@ namespace torch_ipc {
 // stack, the free count and each slot's count are derived from it and rebuilt
 // (rebuild_locked). A block's holder is a slot, and a slot records the
 // process by pid AND start time, so a recycled pid is never mistaken for the
-// holder (process_alive, process.h). Blocks of a process that died are given
+// holder (process_alive, process.h), and by life key and PID namespace, so a
+// holder in another container is judged by its life file (Note [pool slots
+// across PID namespaces] in pool_segment.h). Blocks of a process that died are given
 // back by whoever next runs short of blocks, or calls reclaim_dead() (each
 // attached process does, from its background collector). Every lock checks
 // the counts against each other first (check_locked), and every index read
@@ -63,6 +65,24 @@ class BlockAllocator::Lock {
 
 BlockAllocator::BlockAllocator(std::unique_ptr<ShmMapping> shm, PoolGeometry geometry)
     : shm_(std::move(shm)), geometry_(std::move(geometry)) {}
+
+namespace {
+
+// The process a slot names, each field read once (any of them may be
+// anyone's: it is only ever compared, never used as an index).
+ProcessId slot_process(const PoolProcessSlot& s) { return ProcessId{s.pid, s.start_time, s.life, s.pidns}; }
+
+// This process's identity for a slot: with its life key, without which a
+// peer in another PID namespace could not tell whether it lives.
+ProcessId self_for_slot(const std::string& pool) {
+  const ProcessId& me = self_process();
+  if (me.life == 0)
+    throw os_error(life_file_error(), "creating", "this process's life file in /dev/shm",
+                   "(a KV pool's process slot names it: Note [pool slots across PID namespaces]; pool " + pool + ")");
+  return me;
+}
+
+}  // namespace
 
 std::unique_ptr<BlockAllocator> BlockAllocator::create(const BlockLayout& layout, uint64_t max_blocks) {
   TORCH_IPC_CHECK_VALUE(max_blocks >= 1 && max_blocks <= kMaxBlocks, "torch_ipc: a KV pool has 1 to ", kMaxBlocks,
@@ -96,8 +116,11 @@ std::unique_ptr<BlockAllocator> BlockAllocator::attach(const std::string& name, 
                     ? parse_shared_file_name(name.substr(1))
                     : std::nullopt;
   TORCH_IPC_CHECK_VALUE(parsed && !parsed->lease, "torch_ipc: '", name, "' is not the name of a KV pool's segment");
-  const ProcessId maker{parsed->pid, parsed->start_time};
-  TORCH_IPC_CHECK_VALUE(creator == ProcessId{} || creator == maker, "torch_ipc: KV pool ", name, " is named as pid ",
+  // The name gives pid and start time; the creator's life key and PID
+  // namespace (from the pool's pickle) let a process of another namespace
+  // judge it (Note [pool slots across PID namespaces]).
+  const ProcessId maker{parsed->pid, parsed->start_time, creator.life, creator.pidns};
+  TORCH_IPC_CHECK_VALUE(creator.pid == 0 || creator == maker, "torch_ipc: KV pool ", name, " is named as pid ",
                         maker.pid, "'s, not pid ", creator.pid, "'s");
   auto shm = ShmMapping::open(name, sizeof(PoolHeader), maker);
   if (!shm) {
@@ -143,13 +166,16 @@ void BlockAllocator::check_attached() const {
 
 void BlockAllocator::register_self() {
   PoolHeader* h = header();
+  const ProcessId me = self_for_slot(name());
   Lock lock(*this);
   for (int attempt = 0; attempt < 2; ++attempt) {
     for (uint32_t i = 0; i < kMaxProcesses; ++i) {
       PoolProcessSlot& s = h->processes[i];
       if (s.in_use) continue;
-      s.pid = self_process().pid;
-      s.start_time = self_process().start_time;
+      s.pid = me.pid;
+      s.start_time = me.start_time;
+      s.life = me.life;
+      s.pidns = me.pidns;
       s.held = 0;
       s.in_use = 1;
       slot_ = i;
@@ -208,8 +234,11 @@ void BlockAllocator::check_locked() const {
     corrupted(str(held, " blocks held and ", n_free, " free do not add up to its ", committed, " blocks"));
   if (!registered_) return;
   const PoolProcessSlot& mine = h->processes[slot_];
-  if (!mine.in_use || mine.pid != self_process().pid || mine.start_time != self_process().start_time)
-    corrupted(str("this process's slot ", slot_, " now names pid ", mine.pid, " (in use: ", mine.in_use,
+  const uint32_t in_use = mine.in_use;
+  const ProcessId named = slot_process(mine);
+  const ProcessId& me = self_process();
+  if (!in_use || named != me || named.life != me.life || named.pidns != me.pidns)
+    corrupted(str("this process's slot ", slot_, " now names pid ", named.pid, " (in use: ", in_use,
                   "); another process took this one for dead or overwrote it"));
 }
 
@@ -286,7 +315,7 @@ uint64_t BlockAllocator::reclaim_dead_locked() {
   for (uint32_t i = 0; i < kMaxProcesses; ++i) {
     PoolProcessSlot& s = h->processes[i];
     if (!s.in_use || i == slot_) continue;
-    if (process_alive(ProcessId{s.pid, s.start_time})) continue;
+    if (process_alive(slot_process(s))) continue;
     release_slot_locked(i);
   }
   return h->free_count.load() - before;
@@ -387,7 +416,8 @@ void BlockAllocator::take_over(const int64_t* ids, size_t n, uint32_t from_slot,
   TORCH_IPC_CHECK_VALUE(from_slot < kMaxProcesses, "torch_ipc: malformed hand-over: process slot ", from_slot);
   Lock lock(*this);
   const PoolProcessSlot& s = h->processes[from_slot];
-  TORCH_IPC_CHECK_VALUE(s.in_use && s.pid == from.pid && s.start_time == from.start_time,
+  const ProcessId named = slot_process(s);
+  TORCH_IPC_CHECK_VALUE(s.in_use && named == from && named.life == from.life,
                         "torch_ipc: the sender of this hand-over (pid ", from.pid,
                         ") is no longer attached to the KV pool: it closed the pool or exited before the "
                         "hand-over was received, and its blocks went back to the pool");
@@ -407,7 +437,7 @@ ProcessId BlockAllocator::holder_of(int64_t id) const {
                         " is out of range: the KV pool has ", committed, " blocks");
   const uint32_t slot = holder_slot(holder_table()[id], static_cast<uint64_t>(id));
   if (slot == kMaxProcesses) return ProcessId{};
-  return ProcessId{h->processes[slot].pid, h->processes[slot].start_time};
+  return slot_process(h->processes[slot]);
 }
 
 std::vector<PoolHolder> BlockAllocator::holders() const {
@@ -415,7 +445,7 @@ std::vector<PoolHolder> BlockAllocator::holders() const {
   Lock lock(*this);
   std::vector<PoolHolder> out;
   for (const auto& s : h->processes)
-    if (s.in_use) out.push_back(PoolHolder{ProcessId{s.pid, s.start_time}, s.held});
+    if (s.in_use) out.push_back(PoolHolder{slot_process(s), s.held});
   return out;
 }
 

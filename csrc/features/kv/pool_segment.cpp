@@ -12,8 +12,17 @@
 namespace torch_ipc {
 namespace {
 
-constexpr uint64_t kSegmentMagic = 0x3230564b43504954ull;  // "TIPCKV02"
-constexpr uint32_t kSegmentVersion = 2;
+// Version 3: slots carry the life key and PID namespace (Note [pool slots
+// across PID namespaces] in pool_segment.h). The magic names the version too,
+// so an older torch_ipc refuses a newer segment by its magic alone.
+constexpr uint64_t kMagicBase = 0x3030564b43504954ull;  // "TIPCKV00"
+constexpr uint32_t kSegmentVersion = 3;
+constexpr uint64_t kSegmentMagic = kMagicBase + (uint64_t(kSegmentVersion) << 56);  // "TIPCKV03"
+// "TIPCKV0<digit>": a pool segment of some version.
+bool is_pool_magic(uint64_t magic) {
+  return (magic & 0x00FFFFFFFFFFFFFFull) == (kMagicBase & 0x00FFFFFFFFFFFFFFull) && (magic >> 56) >= '1' &&
+         (magic >> 56) <= '9';
+}
 
 }  // namespace
 
@@ -54,9 +63,11 @@ PoolGeometry read_pool_geometry(const PoolHeader* h, size_t segment_bytes, const
   const auto bad = [&](const std::string& why) {
     return DescriptorError("torch_ipc: " + name + " is not a KV pool segment of this version: " + why);
   };
-  if (reinterpret_cast<const std::atomic<uint64_t>*>(&h->magic)->load() != kSegmentMagic ||
-      h->version != kSegmentVersion)
-    throw bad("wrong magic or version");
+  const uint64_t magic = reinterpret_cast<const std::atomic<uint64_t>*>(&h->magic)->load();
+  if (magic != kSegmentMagic && is_pool_magic(magic))
+    throw bad(str("it is a pool of layout version ", char(magic >> 56), ", made by another torch_ipc version (this ",
+                  "one reads version ", kSegmentVersion, "); use one torch_ipc version in every process of a pool"));
+  if (magic != kSegmentMagic || h->version != kSegmentVersion) throw bad("wrong magic or version");
   if (h->max_processes != kPoolMaxProcesses || h->max_chunks != kPoolMaxChunks ||
       h->descriptor_bytes != kPoolDescriptorBytes)
     throw bad("other table sizes");
@@ -110,6 +121,9 @@ std::vector<std::pair<std::string, std::pair<size_t, size_t>>> pool_field_offset
       {"slot", {sizeof(PoolProcessSlot), 0}},
       {"slot.in_use", {offsetof(PoolProcessSlot, in_use), 4}},
       {"slot.pid", {offsetof(PoolProcessSlot, pid), 4}},
+      {"slot.start_time", {offsetof(PoolProcessSlot, start_time), 8}},
+      {"slot.life", {offsetof(PoolProcessSlot, life), 4}},
+      {"slot.pidns", {offsetof(PoolProcessSlot, pidns), 4}},
       {"slot.held", {offsetof(PoolProcessSlot, held), 8}},
       {"chunk", {sizeof(PoolChunkEntry), 0}},
       {"chunk.first", {offsetof(PoolChunkEntry, first), 8}},

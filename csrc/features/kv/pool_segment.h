@@ -41,13 +41,24 @@ constexpr uint32_t kPoolMaxChunks = 64;
 constexpr uint32_t kPoolDescriptorBytes = 2048;
 constexpr uint64_t kPoolMaxBlocks = uint64_t(1) << 31;
 
+// Note [pool slots across PID namespaces]
+// A slot names its process as every identity of torch_ipc does (ProcessId in
+// base/ids.h): pid and start time, checked by pidfd and /proc where the pid
+// is counted in the checker's PID namespace, and the life key and the PID
+// namespace, so that a process of another namespace (another container
+// sharing /dev/shm) is judged by its life file (Note [life files] in
+// os/life.h), never by an unrelated process of the same number here. A
+// process needs a life key to attach. Layout version 3; version 2 slots named
+// pid and start time only and are refused.
 struct PoolProcessSlot {
   uint32_t in_use;  // 0 or 1
   uint32_t pid;
   uint64_t start_time;
-  uint64_t held;  // blocks whose holder word names this slot
-  uint64_t reserved;
+  uint32_t life;   // its life key (never 0 in a slot in use)
+  uint32_t pidns;  // the inode of the PID namespace `pid` is counted in (0: unknown)
+  uint64_t held;   // blocks whose holder word names this slot
 };
+static_assert(sizeof(PoolProcessSlot) == 32, "pool slot layout");
 
 struct PoolChunkEntry {
   uint64_t first;
