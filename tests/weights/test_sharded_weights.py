@@ -2,6 +2,8 @@
 trainer ranks publish their shards, engine ranks of another tensor-parallel
 layout pull exactly their slices, bit for bit, never mixing versions."""
 
+import signal
+
 import distributed_helpers as dh
 import pytest
 import sharded_helpers as sh
@@ -69,29 +71,44 @@ def test_a_piece_larger_than_a_bucket_is_cut_and_buckets_stay_bounded():
 
 # ----------------------------------------------------------------------------- across nodes, in-memory transport
 
-@pytest.mark.parametrize("trainers,engines,layout,alone", [(2, 1, "tp", 0), (1, 2, "tp", 0), (2, 4, "tp", 0),
-                                                            (2, 2, "fsdp", 0), (3, 2, "fsdp", 0), (2, 2, "tp", 64)])
-def test_remote_sharded_pull_over_the_in_memory_transport(trainers, engines, layout, alone, monkeypatch):
+@pytest.mark.parametrize("trainers,engines,layout,bucket_bytes", [
+    (2, 1, "tp", 512), (1, 2, "tp", 512), (2, 4, "tp", 512), (2, 2, "fsdp", 512), (3, 2, "fsdp", 512),
+    (2, 2, "tp", 256), (2, 1, "tp", 1 << 20), (1, 2, "tp", 1 << 20)])
+def test_remote_sharded_pull_over_the_in_memory_transport(trainers, engines, layout, bucket_bytes):
     """Trainer ranks and engine ranks as threads on the in-memory transport:
     every engine rank gets every version of its slices bit for bit (bf16 on
-    odd engine ranks: converted in the pull). `alone`: pieces of 64 bytes or
-    more get buckets of their own, sent from the snapshot and received into
-    the engine's tensors in place where both are contiguous."""
-    if alone:
-        monkeypatch.setattr("torch_ipc.weights._shard_plan.ALONE_BYTES", alone)
+    odd engine ranks: converted in the unpack). Buckets of 1 MiB: one
+    transfer per pair and version, everything packed; of 256 bytes: pieces
+    cut into row ranges, a bucket of one piece received in place where the
+    engine tensor is contiguous and fp32."""
     hub = th.Hub(trainers + engines)
     t_ranks, e_ranks = list(range(trainers)), list(range(trainers, trainers + engines))
-    fns = [lambda i=i: sh.remote_rank(hub.transport(i), "trainer", i, t_ranks, e_ranks, layout, 4)
-           for i in range(trainers)]
+    fns = [lambda i=i: sh.remote_rank(hub.transport(i), "trainer", i, t_ranks, e_ranks, layout, 4,
+                                      bucket_bytes=bucket_bytes) for i in range(trainers)]
     fns += [lambda j=j: sh.remote_rank(hub.transport(trainers + j), "engine", j, t_ranks, e_ranks, layout, 4,
                                        torch.bfloat16 if j % 2 else torch.float32) for j in range(engines)]
     results = th.run_ranks(fns)
     received = [sum(r[0]) for r in results[trainers:]]
     in_place = [r[1] for r in results[trainers:]]
-    assert in_place[1::2] == [0] * (engines // 2) and (in_place[0] > 4 or not alone)  # never into bf16 tensors
+    per_pair = [r[2] for r in results[trainers:]]
+    assert in_place[1::2] == [0] * (engines // 2)  # never into bf16 tensors
+    if bucket_bytes == 1 << 20:
+        assert per_pair == [[1] * trainers] * engines and in_place == [0] * engines
+    elif bucket_bytes == 256:
+        assert in_place[0] > 0 and max(per_pair[0]) > 4
     for j, got in enumerate(received):  # exactly the bytes of its slices, in the trainer's dtype (fp32)
         want = sum(t.numel() * 4 for t in sh.engine_expected(sh.full_model(0), j, engines).values())
         assert got <= want + 256 * 64 and got >= want
+
+
+def test_pieces_of_a_pair_share_buckets_whatever_their_size():
+    """Three pieces of 300 KiB and a small one in buckets of 1 MiB: one
+    bucket, one transfer (a piece of 256 KiB or more used to be a bucket, and
+    a transfer, of its own: four)."""
+    boxes = [("w", ((0, 300), (0, 256))), ("x", ((0, 300), (0, 256))), ("y", ((0, 300), (0, 256))), ("b", ((0, 3),))]
+    out = buckets(boxes, {"w": 4, "x": 4, "y": 4, "b": 4}, 1 << 20)
+    assert [[p.name for p in b] for b in out] == [["w", "x", "y", "b"]]
+    assert [p.offset for p in out[0][:3]] == [0, 300 << 10, 600 << 10]
 
 
 # ----------------------------------------------------------------------------- one node, processes
@@ -153,6 +170,82 @@ def test_remote_sharded_pull_over_gloo_tp2_to_tp2_in_bf16():
                             torch.bfloat16 if role == "engine" else torch.float32)
         results = [p.result() for p in peers]
         assert results[:2] == [3, 3] and all(sum(r[0]) > 0 for r in results[2:])
+
+
+@pytest.mark.parametrize("trainers,engines,bucket_bytes", [(2, 1, 512), (1, 2, 512), (2, 4, 1 << 16)])
+def test_remote_sharded_pull_over_gloo_in_buckets_under_continuous_publishing(trainers, engines, bucket_bytes):
+    """Processes over gloo: TP 2->1, 1->2 and 2->4 (uneven: 10, 6, 14 rows in
+    4), fused qkv and gate_up; buckets of 512 bytes: several packed buckets
+    per pair and version. Trainer ranks publish 6 versions each on its own
+    schedule; every engine pull is one version of every shard, bit for bit."""
+    url, world = dh.group_url(), trainers + engines
+    t_ranks, e_ranks = list(range(trainers)), list(range(trainers, world))
+    with PeerGroup(timeout=TIMEOUT) as group:
+        peers = [group.get(f"rank{r}") for r in range(world)]
+        for r, peer in enumerate(peers):
+            role, index = ("trainer", r) if r < trainers else ("engine", r - trainers)
+            peer.start_call(sh.group_rank, url, r, world, role, index, t_ranks, e_ranks, "tp", 6,
+                            bucket_bytes=bucket_bytes, pause_s=0.01)
+        results = [p.result() for p in peers]
+    assert results[:trainers] == [6] * trainers
+    per_pair = [r[2] for r in results[trainers:]]
+    if bucket_bytes == 512:
+        assert max(max(p) for p in per_pair) >= 2  # several buckets per version
+
+
+def _dead_engine(backend: str, devices):
+    """A trainer rank, engine ranks 0 and 1 (ranks 1, 2; `devices` per rank);
+    version 1 reaches both; then engine rank 1 is killed."""
+    url, timeout = dh.group_url(), 3.0
+    group = PeerGroup(timeout=TIMEOUT)
+    peers = [group.get(name) for name in ("trainer", "engine0", "engine1")[:len(devices)]]
+    for r, (peer, device) in enumerate(zip(peers, devices)):
+        role, index = ("trainer", 0) if r == 0 else ("engine", r - 1)
+        peer.start_call(sh.group_join, url, r, len(devices), role, index, [0], list(range(1, len(devices))), timeout,
+                        backend, device)
+    assert [p.result() for p in peers] == list(range(len(devices)))
+    peers[0].start_call(sh.group_publish, 1)
+    for peer in peers[1:]:
+        peer.start_call(sh.group_pull, 1, TIMEOUT)
+    for peer in peers[1:]:
+        got = peer.result()
+        assert got == ([1], None), got
+    assert peers[0].result() == ([1], None)
+    peers[-1].kill(signal.SIGKILL)
+    return group, peers, timeout
+
+
+def test_a_dead_engine_rank_fails_the_next_sends_in_bounded_time_over_gloo():
+    """Note [a dead engine rank]: once engine rank 1 is dead, the trainer's
+    publish raises BroadcastError naming it and saying the group must be
+    rebuilt, within the send timeout (3 s; gloo may still buffer a version
+    or two for a socket it has not seen close: up to 4 tries), and never
+    hangs; the surviving engine rank's pull raises TimeoutError within its
+    timeout instead of waiting forever for buckets that will not come."""
+    group, peers, timeout = _dead_engine("gloo", ["cpu"] * 3)
+    with group:
+        peers[1].start_call(sh.group_pull, 4, timeout)
+        published, error = peers[0].call(sh.group_publish, 4)
+        assert error is not None, f"versions {published} went out with engine rank 1 dead"
+        kind, cause, message, seconds = error
+        assert kind == "BroadcastError" and cause in ("TimeoutError", "ConnectionError"), error
+        assert "rank 2" in message or "ranks [1, 2]" in message or "ranks [2]" in message, message
+        assert "form a new one" in message and seconds < timeout + 5, error
+        pulled, error = peers[1].result()
+        assert pulled == published and error is not None and error[0] == "TimeoutError", (pulled, error)
+        assert "rank 0" in error[2] and "form a new one" in error[2] and error[3] < 2 * timeout + 5, error
+
+
+@pytest.mark.gpus(2)
+def test_a_dead_engine_rank_fails_the_next_send_in_bounded_time_over_nccl():
+    """The same over NCCL (trainer on GPU 0, engine on GPU 1): the send to
+    the killed engine never completes; publish raises BroadcastError with the
+    TimeoutError of its bounded wait, instead of spinning until the watchdog."""
+    group, peers, timeout = _dead_engine("nccl", ["cuda:0", "cuda:1"])
+    with group:
+        published, error = peers[0].call(sh.group_publish, 2)
+        assert error is not None and error[0] == "BroadcastError", (published, error)
+        assert "form a new one" in error[2] and error[3] < timeout + 5, error
 
 
 def test_dtensor_trainer_ranks_on_a_cpu_mesh_to_tp_engines():

@@ -10,7 +10,6 @@ from ._errors import WeightsMismatchError
 from ._shard_layout import Box, Held, Part, Take, intersect, parts_of, relative, volume
 
 MAX_PIECES = 1 << 22  # pieces of one (trainer, engine) pair in one version (Note [counts from a peer])
-ALONE_BYTES = 256 << 10  # a piece this large gets a bucket of its own, in place when it can (Note [sharded rounds])
 
 
 class Copy(NamedTuple):
@@ -104,10 +103,11 @@ def _split(box: Box, itemsize: int, limit: int, dim: int = 0) -> Iterator[Box]:
 
 
 def buckets(boxes: Sequence[Tuple[str, Box]], itemsize: Mapping[str, int], bucket_bytes: int) -> List[List[Piece]]:
-    """The pieces of one (trainer, engine) pair packed into buckets of at most
-    `bucket_bytes` (a piece larger than a bucket is cut first); each piece
-    starts 256-byte aligned; a piece of ALONE_BYTES or more is alone in its
-    bucket. Raises ValueError past MAX_PIECES."""
+    """The pieces of one (trainer, engine) pair packed into as few buckets of
+    at most `bucket_bytes` as their order allows (Note [sharded rounds]): a
+    piece larger than a bucket is cut first, a piece that does not fit in the
+    room left starts the next bucket; each piece starts 256-byte aligned.
+    Raises ValueError past MAX_PIECES."""
     out: List[List[Piece]] = []
     used, count = bucket_bytes, 0
     for name, box in boxes:
@@ -118,10 +118,9 @@ def buckets(boxes: Sequence[Tuple[str, Box]], itemsize: Mapping[str, int], bucke
                 raise ValueError(f"torch_ipc.weights: more than {MAX_PIECES} pieces in buckets of {bucket_bytes} "
                                  "bytes; use larger buckets")
             nbytes = volume(sub) * size
-            alone = nbytes >= min(ALONE_BYTES, bucket_bytes)
-            if used + nbytes > bucket_bytes or alone:
+            if used + nbytes > bucket_bytes:
                 out.append([])
                 used = 0
             out[-1].append(Piece(name, sub, used))
-            used = bucket_bytes if alone else used + -(-nbytes // 256) * 256
+            used += -(-nbytes // 256) * 256
     return out
