@@ -69,6 +69,18 @@ def test_a_piece_larger_than_a_bucket_is_cut_and_buckets_stay_bounded():
         buckets([("w", ((0, 1 << 23), (0, 64)))], {"w": 4}, 256)
 
 
+def test_a_pairs_buckets_grow_from_an_eighth_and_shrink_towards_the_end():
+    """Note [sharded rounds]: 140 pieces of 11 KiB in buckets of at most
+    256 KiB: the first bucket (packed before anything is on the wire) and the
+    last (unpacked after) hold about 32 KiB, the ones between up to 256 KiB."""
+    boxes = [(f"t{i}", ((0, 11 << 9),)) for i in range(140)]  # 11 KiB of bf16 each
+    out = buckets(boxes, {name: 2 for name, _ in boxes}, 256 << 10)
+    sizes = [sum((p.box[0][1] - p.box[0][0]) * 2 for p in b) for b in out]
+    assert sizes[0] <= 32 << 10 and sizes[-1] <= 32 << 10 and max(sizes) > 200 << 10
+    assert all(s <= 256 << 10 for s in sizes) and sum(sizes) == 140 * (11 << 10)
+    assert sizes[:4] == sorted(sizes[:4]) and sizes[-4:] == sorted(sizes[-4:], reverse=True)
+
+
 # ----------------------------------------------------------------------------- across nodes, in-memory transport
 
 @pytest.mark.parametrize("trainers,engines,layout,bucket_bytes", [
@@ -101,10 +113,11 @@ def test_remote_sharded_pull_over_the_in_memory_transport(trainers, engines, lay
         assert got <= want + 256 * 64 and got >= want
 
 
-def test_pieces_of_a_pair_share_buckets_whatever_their_size():
-    """Three pieces of 300 KiB and a small one in buckets of 1 MiB: one
-    bucket, one transfer (a piece of 256 KiB or more used to be a bucket, and
-    a transfer, of its own: four)."""
+def test_pieces_of_a_pair_share_buckets_whatever_their_size(monkeypatch):
+    """Three pieces of 300 KiB and a small one in buckets of 1 MiB, without
+    the ramp: one bucket, one transfer (a piece of 256 KiB or more used to be
+    a bucket, and a transfer, of its own: four)."""
+    monkeypatch.setattr("torch_ipc.weights._shard_plan.RAMP", 1)
     boxes = [("w", ((0, 300), (0, 256))), ("x", ((0, 300), (0, 256))), ("y", ((0, 300), (0, 256))), ("b", ((0, 3),))]
     out = buckets(boxes, {"w": 4, "x": 4, "y": 4, "b": 4}, 1 << 20)
     assert [[p.name for p in b] for b in out] == [["w", "x", "y", "b"]]

@@ -55,10 +55,14 @@ Why pack: NCCL costs about 30 us per operation of a pair whatever its size;
 the earlier schedule (a piece of 256 KiB or more sent alone, in place)
 spent 105 operations on a 1.5 GB model of 105 tensors and reached 55% of
 one raw send of the same bytes on two H100s; packed, a version is
-bytes / bucket_bytes operations per pair, and a packing copy (device memory,
-~2 TB/s) is hidden behind the wire except for the first bucket's pack and
-the last one's unpack: smaller buckets shorten those, larger ones save
-operations (benchmarks/sharded_bench.py --bucket-mib sweeps it).
+about bytes / bucket_bytes operations per pair, and a packing copy (device
+memory, ~2 TB/s) is hidden behind the wire except for the first bucket's
+pack and the last one's unpack. So a pair's buckets ramp: the first may
+hold bucket_bytes / RAMP (8), each next one twice the one before, up to
+bucket_bytes, and towards the end half of what is left (no less than the
+first): on a 1.5 GB pair of 256 MiB buckets, 12 operations whose first and
+last are ~22 MiB, instead of 7 whose first and last are ~250 MiB
+(benchmarks/sharded_bench.py --bucket-mib and --ramp measure both).
 
 Note [a dead engine rank]
 A version is one collective of every trainer and engine rank: the trainers'
