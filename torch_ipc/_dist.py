@@ -138,13 +138,15 @@ def transport_for(transport: Optional[Transport], group: Any) -> Transport:
     return transport
 
 
-def finish(work: Any, tensor: torch.Tensor, deadline: Optional[float] = None, poll: Optional[bool] = None) -> None:
+def finish(work: Any, tensor: torch.Tensor, deadline: Optional[float] = None, poll: Optional[bool] = None,
+           max_sleep: float = 1e-3) -> None:
     """Wait for a control transfer of `tensor` without blocking the current
     stream meanwhile (Note [waiting for a control message]). Only a CUDA
     tensor's is polled (``poll`` decides otherwise: a CUDA tensor staged
     through gloo is not): gloo's point-to-point works report completion only
     from inside wait(). ``deadline`` (time.monotonic()): TimeoutError past it
-    (Note [a bounded wait])."""
+    (Note [a bounded wait]). ``max_sleep``: the longest sleep between two
+    polls (how late the return may be)."""
     is_completed = getattr(work, "is_completed", None)
     if poll is None:
         poll = tensor.device.type == "cuda"
@@ -155,7 +157,7 @@ def finish(work: Any, tensor: torch.Tensor, deadline: Optional[float] = None, po
                 raise TimeoutError("the transfer did not complete in time")
             if delay:
                 time.sleep(delay)  # the GIL is free; Ctrl-C raises here
-            delay = min(max(2 * delay, 1e-5), 1e-3)
+            delay = min(max(2 * delay, 1e-5), max_sleep)
         work.wait()
     elif deadline is None:
         work.wait()

@@ -359,6 +359,30 @@ def test_a_failed_send_is_a_broadcast_error_and_later_versions_stay_local():
     assert pubs[0].publish() == 2 and pubs[0]._sender is None
 
 
+def test_an_engine_waits_for_a_started_version_within_its_timeout_only():
+    """Note [a dead engine rank], on the in-memory transport: with no version
+    coming, pull(timeout=0.3) raises TimeoutError; with the headers of version 1
+    sent and no bucket after them (the trainers died half way), pull() raises
+    TimeoutError after the receiver's 0.5 s, naming a trainer rank and saying
+    the group must be rebuilt (before: it waited for ever)."""
+    import time
+
+    from torch_ipc.weights._shard_remote import MAGIC
+
+    start = time.monotonic()
+    _, sub = _remote_pair(th.Hub(3), before=0)
+    with pytest.raises(TimeoutError, match="rank 0 within 0.3 s.*form a new one"):
+        sub.pull(timeout=0.3)
+    pubs, sub = _remote_pair(th.Hub(3), before=0)  # a timed-out group is not used again
+    sub._receiver.timeout = 0.5
+    for pub in pubs:
+        sender = pub._sender
+        sender.transport.send(torch.tensor([MAGIC, 1, len(sender.plans[0])]), 2)
+    with pytest.raises(TimeoutError, match="version 1 was not exchanged with rank [01] within 0.5 s.*form a new one"):
+        sub.pull()
+    assert time.monotonic() - start < 5 and sub.version == 0
+
+
 def test_scalars_and_whole_tensors_are_taken_as_they_are():
     sources = sources_of([[Held("step", torch.int64, (), ()), Held("b", torch.float32, (4,), ((0, 4),))]])
     plan = ShardPlan(sources, {"step": torch.zeros((), dtype=torch.int64), "b": torch.zeros(4)}, {})

@@ -65,6 +65,13 @@ def _itemsizes(sources: Mapping[str, List[Tuple[int, Held]]]) -> Dict[str, int]:
     return {name: torch.empty(0, dtype=rows[0][1].dtype).element_size() for name, rows in sources.items()}
 
 
+# Note [polling a version]: a version's transfers are polled with sleeps of
+# at most 100 us, not the 1 ms of other control waits: a pull or a publish
+# returns at most that late after its last transfer (a 1.5 GB version is
+# ~4 ms on NVLink), and an engine waiting for the next version wakes at most
+# 10000 times a second.
+POLL_SLEEP = 1e-4
+
 IN_FLIGHT = 2  # rounds in flight: packing or unpacking one overlaps the transfer of the other
 
 
@@ -119,10 +126,13 @@ class _Waits:
     def _poll(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cuda" and not self.transport.through_host(tensor)
 
-    def wait(self, works: Sequence[Any], ops: Sequence[_dist.P2P]) -> None:
+    def wait(self, works: Sequence[Any], ops: Sequence[_dist.P2P], ordered: bool = True) -> None:
+        """``ordered``: the current stream waits for a polled transfer now (the
+        unpack of a bucket or the reuse of its staging follows it there)."""
         for work, (_, tensor, peer) in zip(works, ops):
             if self._poll(tensor):
-                work.wait()
+                if ordered:
+                    work.wait()
                 self.polled.append((work, tensor, peer))
             else:
                 self._finish(work, tensor, peer)
@@ -140,9 +150,13 @@ class _Waits:
 
     def _finish(self, work: Any, tensor: torch.Tensor, peer: int) -> None:
         try:
-            _dist.finish(work, tensor, self.deadline, self._poll(tensor))
+            _dist.finish(work, tensor, self.deadline, self._poll(tensor), POLL_SLEEP)
         except (TimeoutError, RuntimeError, ConnectionError) as e:
             raise lost(peer, self.version, self.timeout, e) from e
+
+
+REBUILD = ("the group cannot be used again: destroy it, form a new one, and call ShardedPublisher.send_to() and "
+           "ShardedSubscriber.remote() on it (Note [a dead engine rank] in torch_ipc/weights/sharded.py)")
 
 
 def lost(peer: int, version: int, timeout: Optional[float], error: BaseException) -> Exception:
@@ -150,9 +164,7 @@ def lost(peer: int, version: int, timeout: Optional[float], error: BaseException
     kind = TimeoutError if isinstance(error, TimeoutError) else ConnectionError
     within = "" if timeout is None else f" within {timeout} s"
     return kind(f"torch_ipc.weights: version {version} was not exchanged with rank {peer}{within} "
-                f"({type(error).__name__}: {error}): that rank died or the group broke; the group cannot be used "
-                "again: destroy it, form a new one, and call ShardedPublisher.send_to() and "
-                "ShardedSubscriber.remote() on it (Note [a dead engine rank] in torch_ipc/weights/sharded.py)")
+                f"({type(error).__name__}: {error}): that rank died or the group broke; {REBUILD}")
 
 
 def _run_rounds(schedule: _Schedule, post, finish) -> None:
@@ -222,7 +234,7 @@ class Sender:
         waits = _Waits(self.transport, timeout, version)
         header_ops = [("send", torch.tensor([MAGIC, version, len(plan)], dtype=torch.int64).to(
             self.transport.control_device), e) for plan, e in zip(self.plans, self.engines)]
-        waits.control(_post(self.transport, header_ops), header_ops)
+        waits.wait(_post(self.transport, header_ops), header_ops, ordered=False)  # NCCL: the buckets queue behind
 
         def post(r: int) -> Tuple[List[Any], List[_dist.P2P]]:
             ops = []
@@ -245,9 +257,7 @@ def _post(transport: _dist.Transport, ops: List[_dist.P2P]) -> List[Any]:
         return transport.batch(ops)
     except (RuntimeError, ConnectionError) as e:
         raise ConnectionError(f"torch_ipc.weights: starting transfers with ranks {sorted({p for _, _, p in ops})} "
-                              f"failed ({e}): one of them died or the group broke; the group cannot be used again: "
-                              "destroy it, form a new one, and call ShardedPublisher.send_to() and "
-                              "ShardedSubscriber.remote() on it") from e
+                              f"failed ({e}): one of them died or the group broke; {REBUILD}") from e
 
 
 def _ends(plans: Sequence[List[List[Piece]]], itemsize: Mapping[str, int]) -> List[List[int]]:
