@@ -9,7 +9,7 @@ import ctypes
 import pytest
 import torch
 
-from torch_ipc.weights._copy_engine import ENGINE_MIN_ROW_BYTES, copy_2d
+from torch_ipc.weights._copy_engine import ENGINE_MIN_ROW_BYTES, copy_2d, engine_wanted
 
 
 def _run_on_host(desc) -> None:
@@ -55,6 +55,16 @@ def test_pairs_that_are_not_one_2d_copy_stay_with_the_kernel():
     assert copy_2d(cube[0], torch.zeros(8, 1024, dtype=torch.bfloat16)) is None  # a conversion
     assert copy_2d(cube[0].t(), torch.zeros(1024, 8)) is None  # transposed: no contiguous run
     assert copy_2d(cube[0, :0], torch.zeros(0, 1024)) is None
+
+
+def test_the_peer_copy_setting_is_engine_or_kernel(monkeypatch):
+    monkeypatch.delenv("TORCH_IPC_PEER_COPY", raising=False)
+    assert engine_wanted()
+    monkeypatch.setenv("TORCH_IPC_PEER_COPY", "kernel")
+    assert not engine_wanted()
+    monkeypatch.setenv("TORCH_IPC_PEER_COPY", "dma")
+    with pytest.raises(ValueError, match="TORCH_IPC_PEER_COPY='dma'"):
+        engine_wanted()
 
 
 @pytest.mark.gpus(2)

@@ -37,7 +37,11 @@ Copy2D = Tuple[int, int, int, int, int, int]  # src, dst, width bytes, height, s
 
 
 def engine_wanted() -> bool:
-    return os.environ.get("TORCH_IPC_PEER_COPY", "engine") != "kernel"
+    """TORCH_IPC_PEER_COPY: ``engine`` (the default) or ``kernel``; any other value is refused."""
+    mode = os.environ.get("TORCH_IPC_PEER_COPY", "") or "engine"
+    if mode not in ("engine", "kernel"):
+        raise ValueError(f"torch_ipc: TORCH_IPC_PEER_COPY={mode!r}: expected 'engine' or 'kernel'")
+    return mode == "engine"
 
 
 def _dims(src: torch.Tensor, dst: torch.Tensor) -> List[Tuple[int, int, int]]:
