@@ -106,3 +106,15 @@ def test_peer_pieces_by_copy_engine_equal_the_kernel_bit_for_bit(monkeypatch):
         assert torch.equal(got, want)
     for got, src in zip(by_engine, sources):
         assert torch.equal(got, src)
+
+
+def test_a_bad_2d_copy_table_is_refused_before_anything_is_queued():
+    from torch_ipc import _C
+
+    with pytest.raises(ValueError, match=r"\[n, 6\]"):
+        _C.copy_2d_by_engine(torch.zeros(2, 5, dtype=torch.int64), 0)
+    rows_wider_than_pitch = torch.tensor([[4096, 8192, 2048, 4, 1024, 2048]], dtype=torch.int64)
+    with pytest.raises(ValueError, match="pitches 1024 and 2048"):
+        _C.copy_2d_by_engine(rows_wider_than_pitch, 0)
+    with pytest.raises(ValueError, match="0 rows"):
+        _C.copy_2d_by_engine(torch.tensor([[4096, 8192, 2048, 0, 2048, 2048]], dtype=torch.int64), 0)
