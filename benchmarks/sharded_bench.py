@@ -4,6 +4,8 @@ ShardedSubscriber.remote) against the floors of the same bytes, in one run.
 
     python benchmarks/sharded_bench.py --quick                 # CPU, gloo (smoke, ~20 s)
     python benchmarks/sharded_bench.py --device cuda           # GPU machine, 2 GPUs, bf16, ~1.5 GiB model
+    python benchmarks/sharded_bench.py --device cuda --peer-copy engine,kernel --bucket-mib 64,256 --ramp 1,8
+                                                               # the copy paths and bucket schedules side by side
 
 Model: --layers transformer blocks of q, k, v, o (hidden x hidden) and
 gate, up, down (hidden x ffn), bf16 on CUDA (fp32 on CPU): 15 x 2048 x 5632
@@ -27,7 +29,11 @@ one node   tp2->tp1   Two trainer ranks (TP=2) publish their shards; one
 two nodes  tp1->tp1   Trainer rank on GPU 0, engine rank on GPU 1, one
                       NCCL group (gloo on CPU): ShardedSubscriber.remote's
                       pull against one raw send/recv of the same bytes
-                      between the same barriers (target: >= 90%).
+                      between the same barriers (target: >= 90%); per
+                      --bucket-mib and --ramp (Note [sharded rounds]).
+--peer-copy engine|kernel: how one-node pulls copy pieces from the other GPU
+(TORCH_IPC_PEER_COPY; Note [peer pieces on the copy engine]); each engine
+row says the path its pull took.
 """
 from __future__ import annotations
 
@@ -203,7 +209,8 @@ def one_node_engine(cfg, rank, world, trainers, address, key, barrier, out):
         barrier.wait()  # the colocated publish
         times["colocated pull+slice"].append(_timed(lambda: _pull_and_slice(cfg, full_sub, full, model, rank, world),
                                                     device))
-    out.put(("engine", rank, {k: statistics.median(v) for k, v in times.items()} | {"bytes": sum(per_trainer)}))
+    out.put(("engine", rank, {k: statistics.median(v) for k, v in times.items()} | {"bytes": sum(per_trainer),
+                                                                                     "path": sub.stats["path"]}))
     barrier.wait()
     sub.close()
     full_sub.close()
@@ -271,7 +278,8 @@ def report_one_node(name, rows):
     floor = max(e["floor"] for e in engines)
     colocated = max(e["colocated pull+slice"] for e in engines)
     mib = sum(e["bytes"] for e in engines) / 2**20
-    print(f"{name:10s} sharded pull {pull:8.2f} ms ({mib:.0f} MiB over {len(engines)} engine ranks)  "
+    paths = "/".join(e["path"] for e in engines)
+    print(f"{name:10s} sharded pull {pull:8.2f} ms ({mib:.0f} MiB over {len(engines)} engine ranks, {paths})  "
           f"floor {floor:8.2f} ms = {100 * floor / pull:5.1f}%  | publish {trainer0['publish']:.2f} ms | "
           f"colocated: gather+publish {trainer0['gather+publish']:.2f} ms + pull+slice {colocated:.2f} ms = "
           f"{trainer0['gather+publish'] + colocated:.2f} ms vs sharded {trainer0['publish'] + pull:.2f} ms",
@@ -283,8 +291,9 @@ def report_one_node(name, rows):
 def two_nodes_rank(cfg, rank, out):
     import torch.distributed as dist
 
-    from torch_ipc.weights import ShardedPublisher, ShardedSubscriber
+    from torch_ipc.weights import ShardedPublisher, ShardedSubscriber, _shard_plan
 
+    _shard_plan.RAMP = cfg["ramp"]  # Note [sharded rounds]: 1 makes every bucket of a pair full size
     torch.set_num_threads(1)
     device = _device(cfg, rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -315,7 +324,8 @@ def two_nodes_rank(cfg, rank, out):
             times["sharded"].append(_timed(sub.pull, device))
             dist.barrier()
             times["raw"].append(_timed(lambda: dist.recv(raw, 0), device))
-        out.put({k: statistics.median(v) for k, v in times.items()} | {"bytes": nbytes})
+        out.put({k: statistics.median(v) for k, v in times.items()} | {"bytes": nbytes,
+                                                                        "ops": sum(map(len, sub._receiver.plans))})
     dist.destroy_process_group()
 
 
@@ -326,7 +336,8 @@ def run_two_nodes(cfg):
     procs = [ctx.Process(target=two_nodes_rank, args=(cfg, r, out)) for r in range(2)]
     (row,) = _collect(procs, out, 1, cfg["timeout"])
     gib = row["bytes"] / 2**30
-    print(f"{'two nodes':10s} sharded pull {row['sharded']:8.2f} ms ({gib * 1024:.0f} MiB, "
+    name = f"two nodes, buckets {cfg['bucket_bytes'] >> 20} MiB, ramp {cfg['ramp']}, {row['ops']} sends"
+    print(f"{name}: sharded pull {row['sharded']:8.2f} ms ({gib * 1024:.0f} MiB, "
           f"{gib / row['sharded'] * 1e3:.1f} GiB/s)  raw send/recv {row['raw']:8.2f} ms = "
           f"{100 * row['raw'] / row['sharded']:5.1f}%", flush=True)
 
@@ -339,22 +350,32 @@ def main():
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--ffn", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--bucket-mib", type=int, default=64)
+    parser.add_argument("--bucket-mib", default="256", help="two nodes: bucket sizes to measure, e.g. 64,256")
+    parser.add_argument("--ramp", default="8", help="two nodes: bucket ramps to measure, e.g. 1,8 (1: flat)")
+    parser.add_argument("--peer-copy", default="engine",
+                        help="one node: TORCH_IPC_PEER_COPY values to measure, e.g. engine,kernel")
+    parser.add_argument("--rows", default="tp2->tp1,tp1->tp2,two-nodes", help="rows to run")
     parser.add_argument("--timeout", type=float, default=300)
     args = parser.parse_args()
     quick = args.quick
     cfg = {"device": "cpu" if quick else args.device,
            "layers": args.layers or (2 if quick else 15), "hidden": args.hidden or (128 if quick else 2048),
            "ffn": args.ffn or (352 if quick else 5632), "rounds": args.rounds or (3 if quick else 10),
-           "bucket_bytes": (1 << 20) if quick else args.bucket_mib << 20, "timeout": args.timeout}
+           "timeout": args.timeout}
     cfg["dtype"] = torch.bfloat16 if cfg["device"] == "cuda" else torch.float32
     size = sum(a * b for a, b in model_shapes(cfg).values()) * (2 if cfg["device"] == "cuda" else 4)
     print(f"model: {len(model_shapes(cfg))} tensors, {size / 2**20:.0f} MiB, {cfg['dtype']}, {cfg['device']}",
           flush=True)
-    report_one_node("tp2->tp1", run_one_node(cfg, 2, 1))
-    report_one_node("tp1->tp2", run_one_node(cfg, 1, 2))
-    run_two_nodes(cfg)
-
+    rows = args.rows.split(",")
+    for mode in args.peer_copy.split(","):
+        os.environ["TORCH_IPC_PEER_COPY"] = mode  # the spawned ranks inherit it
+        for name, trainers, engines in (("tp2->tp1", 2, 1), ("tp1->tp2", 1, 2)):
+            if name in rows:
+                report_one_node(f"{name} {mode}", run_one_node(cfg, trainers, engines))
+    if "two-nodes" in rows:
+        for mib in [int(m) for m in args.bucket_mib.split(",")]:
+            for ramp in [int(r) for r in args.ramp.split(",")]:
+                run_two_nodes(dict(cfg, bucket_bytes=(1 << 20) if quick else mib << 20, ramp=ramp))
 
 if __name__ == "__main__":
     main()

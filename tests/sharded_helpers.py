@@ -169,9 +169,11 @@ def engine_close() -> None:
 # ----------------------------------------------------------------------------- across nodes
 
 def remote_rank(transport, role: str, index: int, trainers, engines, layout: str, versions: int, dtype=torch.float32,
-                bucket_bytes: int = 512, device: str = "cpu"):
+                bucket_bytes: int = 512, device: str = "cpu", pause_s: float = 0.0):
     """One rank of the remote protocol (any transport): a trainer publishes
-    versions 1..`versions`; an engine pulls each and checks it bit for bit."""
+    versions 1..`versions` (sleeping `pause_s` x its index before each: each
+    trainer on its own schedule); an engine pulls each and checks it bit for
+    bit (a mixed version would not be)."""
     from torch_ipc.weights import ShardedPublisher, ShardedSubscriber
 
     if role == "trainer":
@@ -180,6 +182,7 @@ def remote_rank(transport, role: str, index: int, trainers, engines, layout: str
         pub.send_to(trainers=trainers, engines=engines, transport=transport, bucket_bytes=bucket_bytes)
         for v in range(1, versions + 1):
             _set_version(shards, layout, index, len(trainers), v)
+            time.sleep(pause_s * index)
             pub.publish()
         pub.close()
         return versions
@@ -192,20 +195,81 @@ def remote_rank(transport, role: str, index: int, trainers, engines, layout: str
         bad = mismatched(model, want)
         assert not bad, f"engine {index}, version {v}: {bad}"
     in_place = sum(d is not None for plan in sub._receiver.direct for d in plan)
-    return sub.plan_bytes(), in_place
+    return sub.plan_bytes(), in_place, [len(plan) for plan in sub._receiver.plans]
 
 
 def group_rank(url: str, rank: int, world: int, role: str, index: int, trainers, engines, layout: str,
-               versions: int, dtype=torch.float32, backend: str = "gloo", device: str = "cpu"):
+               versions: int, dtype=torch.float32, backend: str = "gloo", device: str = "cpu",
+               bucket_bytes: int = 1 << 16, pause_s: float = 0.0):
     from distributed_helpers import init_group, leave_group
 
     if device != "cpu":
         torch.cuda.set_device(torch.device(device))
     init_group(url, rank, world, backend)
     try:
-        return remote_rank(None, role, index, trainers, engines, layout, versions, dtype, 1 << 16, device)
+        return remote_rank(None, role, index, trainers, engines, layout, versions, dtype, bucket_bytes, device,
+                           pause_s)
     finally:
         leave_group()
+
+
+def group_join(url: str, rank: int, world: int, role: str, index: int, trainers, engines, timeout: float,
+               backend: str = "gloo", device: str = "cpu") -> int:
+    """Join the group and set up one rank of the remote protocol ("tp"
+    layout), kept for group_publish / group_pull (Note [a dead engine rank])."""
+    from distributed_helpers import init_group
+
+    from torch_ipc.weights import ShardedPublisher, ShardedSubscriber
+
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
+    init_group(url, rank, world, backend)
+    if role == "trainer":
+        shards = _on(trainer_shards(full_model(0), "tp", index, len(trainers)), device)
+        pub = ShardedPublisher(shards, rank=index)
+        pub.send_to(trainers=trainers, engines=engines, bucket_bytes=512, timeout=timeout)
+        HELD.update(pub=pub, shards=shards, index=index, world=len(trainers))
+    else:
+        model = engine_model(index, len(engines), torch.float32, device)
+        HELD.update(model=model, index=index, world=len(engines), sub=ShardedSubscriber.remote(
+            model, trainers=trainers, engines=engines, wants=engine_wants(index, len(engines)), timeout=timeout))
+    return rank
+
+
+def _outcome(fn):
+    """(result, None) or (None, (error type name, message, seconds it took))."""
+    start = time.monotonic()
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        cause = e.__cause__ if e.__cause__ is not None else e
+        return None, (type(e).__name__, type(cause).__name__, str(e), time.monotonic() - start)
+
+
+def group_publish(versions: int):
+    """Publish up to `versions` more versions; stops at the first error:
+    ([versions published], error or None)."""
+    pub, done = HELD["pub"], []
+    for _ in range(versions):
+        _set_version(HELD["shards"], "tp", HELD["index"], HELD["world"], pub.version + 1)
+        version, error = _outcome(pub.publish)
+        if error is not None:
+            return done, error
+        done.append(version)
+    return done, None
+
+
+def group_pull(versions: int, timeout: float):
+    """Pull up to `versions` versions (each checked bit for bit); stops at the first error."""
+    sub, done = HELD["sub"], []
+    for _ in range(versions):
+        version, error = _outcome(lambda: sub.pull(timeout=timeout))
+        if error is not None:
+            return done, error
+        bad = mismatched(HELD["model"], engine_expected(full_model(version), HELD["index"], HELD["world"]))
+        assert not bad, f"version {version}: {bad}"
+        done.append(version)
+    return done, None
 
 
 # ----------------------------------------------------------------------------- DTensor trainers

@@ -5,7 +5,7 @@ peer that sends what it likes."""
 
 import threading
 import time
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,8 +39,8 @@ class Hub:
         with self.cv:
             return key in self.mail
 
-    def take(self, key: Tuple) -> torch.Tensor:
-        deadline = time.monotonic() + self.wait_s
+    def take(self, key: Tuple, wait_s: Optional[float] = None) -> torch.Tensor:
+        deadline = time.monotonic() + (self.wait_s if wait_s is None else wait_s)
         with self.cv:
             while key not in self.mail:
                 if not self.cv.wait(timeout=max(0.0, deadline - time.monotonic())):
@@ -60,7 +60,7 @@ class _Done:
     def is_completed(self) -> bool:
         return True
 
-    def wait(self) -> bool:
+    def wait(self, timeout=None) -> bool:
         return True
 
 
@@ -73,10 +73,11 @@ class _Arrival:
     def is_completed(self) -> bool:
         return self._into is None or self._hub.ready(self._key)
 
-    def wait(self) -> bool:
+    def wait(self, timeout=None) -> bool:
         if self._into is None:
             return True
-        data, into, self._into = self._hub.take(self._key), self._into, None
+        wait_s = None if timeout is None else timeout.total_seconds()
+        data, into, self._into = self._hub.take(self._key, wait_s), self._into, None
         nbytes = into.numel() * into.element_size()
         if data.numel() != nbytes:
             raise RuntimeError(f"in-memory transport: {data.numel()} bytes arrived for a tensor of {nbytes}")

@@ -41,6 +41,16 @@ trainer would publish only after it attached. Polling also lets Ctrl-C
 interrupt the wait. The receive is still a posted collective: the process
 group's timeout (NCCL's watchdog aborts the process at it) must be longer
 than the longest gap between two versions.
+
+Note [a bounded wait]
+A peer that died leaves a transfer to it unfinished: NCCL's kernel spins
+until the watchdog aborts the process, gloo's send waits once the socket's
+buffer is full. Where a caller bounds a transfer (a sharded send to the
+engine ranks, the buckets of a version an engine has started to receive),
+``finish(..., deadline)`` polls a polled work until the deadline and gives
+any other work ``wait(timeout)`` (torch.distributed's works take one; gloo
+raises past it), then raises TimeoutError. The group is unusable afterwards
+(a transfer is still posted on it): the caller says so and is not used again.
 """
 
 # Note [counts from a peer]
@@ -54,6 +64,7 @@ than the longest gap between two versions.
 # only once their blocks are allocated here, drained one at a time
 # otherwise), a sharded layout's boxes (weights/_shard_layout.py).
 
+import datetime
 import json
 import time
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
@@ -83,8 +94,9 @@ def dtype_from_name(name: Any) -> Optional[torch.dtype]:
 class Work(Protocol):
     """A transfer started by a Transport."""
 
-    def wait(self) -> Any:
-        """Return once the transfer is done (CUDA: ordered on the current stream)."""
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> Any:
+        """Return once the transfer is done (CUDA: ordered on the current
+        stream); with ``timeout``, raise past it (Note [a bounded wait])."""
 
 
 # ("send", tensor, dst) or ("recv", tensor, src): one transfer of Transport.batch
@@ -126,19 +138,46 @@ def transport_for(transport: Optional[Transport], group: Any) -> Transport:
     return transport
 
 
-def finish(work: Any, tensor: torch.Tensor) -> None:
+def finish(work: Any, tensor: torch.Tensor, deadline: Optional[float] = None, poll: Optional[bool] = None,
+           max_sleep: float = 1e-3) -> None:
     """Wait for a control transfer of `tensor` without blocking the current
     stream meanwhile (Note [waiting for a control message]). Only a CUDA
-    tensor's is polled: gloo's point-to-point works report completion only
-    from inside wait()."""
+    tensor's is polled (``poll`` decides otherwise: a CUDA tensor staged
+    through gloo is not): gloo's point-to-point works report completion only
+    from inside wait(). ``deadline`` (time.monotonic()): TimeoutError past it
+    (Note [a bounded wait]). ``max_sleep``: the longest sleep between two
+    polls (how late the return may be)."""
     is_completed = getattr(work, "is_completed", None)
-    if is_completed is not None and tensor.device.type == "cuda":
+    if poll is None:
+        poll = tensor.device.type == "cuda"
+    if is_completed is not None and poll:
         delay = 0.0
         while not is_completed():
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("the transfer did not complete in time")
             if delay:
                 time.sleep(delay)  # the GIL is free; Ctrl-C raises here
-            delay = min(max(2 * delay, 1e-5), 1e-3)
-    work.wait()
+            delay = min(max(2 * delay, 1e-5), max_sleep)
+        work.wait()
+    elif deadline is None:
+        work.wait()
+    else:
+        _wait_for(work, deadline)
+
+
+def _wait_for(work: Any, deadline: float) -> None:
+    """Note [a bounded wait]: a torch.distributed work of gloo (and the
+    in-memory test transport's) takes ``wait(timeout)`` and raises past it;
+    gloo then leaves the pair's buffer waiting, so the group is not used again."""
+    left = max(deadline - time.monotonic(), 1e-3)
+    try:
+        done = work.wait(timeout=datetime.timedelta(seconds=left))
+    except RuntimeError as e:
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise TimeoutError(f"the transfer did not complete in time ({e})") from None
+        raise
+    if done is False:
+        raise TimeoutError("the transfer did not complete in time")
 
 
 # ----------------------------------------------------------------------------- small messages, on any transport
@@ -302,8 +341,8 @@ class _Staged:
     def is_completed(self) -> bool:
         return self._work.is_completed()
 
-    def wait(self) -> bool:
-        self._work.wait()
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        self._work.wait() if timeout is None else self._work.wait(timeout)
         if self._into is not None:
             self._into.copy_(self._host)  # synchronous: the host buffer goes back to the cache after it
             self._into = None

@@ -101,4 +101,42 @@ EngineCall copy_ranges_by_engine(int device, const std::vector<CopyRange>& range
   return call;
 }
 
+namespace {
+
+void check_2d(const Copy2D& c) {
+  TORCH_IPC_CHECK_VALUE(c.width > 0 && c.height > 0 && c.src != 0 && c.dst != 0, "torch_ipc: a 2-D copy of ", c.height,
+                        " rows of ", c.width, " bytes");
+  TORCH_IPC_CHECK_VALUE(c.height == 1 || (c.src_pitch >= c.width && c.dst_pitch >= c.width),
+                        "torch_ipc: a 2-D copy of rows of ", c.width, " bytes with pitches ", c.src_pitch, " and ",
+                        c.dst_pitch);
+}
+
+bool one_range(const Copy2D& c) { return c.height == 1 || (c.src_pitch == c.width && c.dst_pitch == c.width); }
+
+}  // namespace
+
+void copy_2d_by_engine(int device, const std::vector<Copy2D>& copies) {
+  for (const Copy2D& c : copies) check_2d(c);  // before anything is queued
+  if (copies.empty()) return;
+  ScopedContext scope(device);
+  CUstream stream = current_stream(device);
+  for (const Copy2D& c : copies) {
+    if (one_range(c)) {
+      TORCH_IPC_CU(cuMemcpyAsync, static_cast<CUdeviceptr>(c.dst), static_cast<CUdeviceptr>(c.src),
+                   static_cast<size_t>(c.width * c.height), stream);
+      continue;
+    }
+    CUDA_MEMCPY2D m{};
+    m.srcMemoryType = CU_MEMORYTYPE_DEVICE;
+    m.srcDevice = static_cast<CUdeviceptr>(c.src);
+    m.srcPitch = static_cast<size_t>(c.src_pitch);
+    m.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+    m.dstDevice = static_cast<CUdeviceptr>(c.dst);
+    m.dstPitch = static_cast<size_t>(c.dst_pitch);
+    m.WidthInBytes = static_cast<size_t>(c.width);
+    m.Height = static_cast<size_t>(c.height);
+    TORCH_IPC_CU(cuMemcpy2DAsync, &m, stream);
+  }
+}
+
 }  // namespace torch_ipc

@@ -44,4 +44,23 @@ bool memcpy_batch_available(std::string* why_not = nullptr);
 EngineCall copy_ranges_by_engine(int device, const std::vector<CopyRange>& ranges, EngineCall call,
                                  bool prefer_overlap);
 
+// One strided copy as the copy engine takes it (Note [peer pieces on the copy
+// engine] in torch_ipc/weights/_copy_engine.py): `height` rows of `width`
+// bytes, row i at src + i * src_pitch, written at dst + i * dst_pitch.
+struct Copy2D {
+  int64_t src;
+  int64_t dst;
+  int64_t width;
+  int64_t height;
+  int64_t src_pitch;
+  int64_t dst_pitch;
+};
+
+// Queue `copies` (device addresses, kept alive by the caller) on torch's
+// current stream of `device`: one cuMemcpyAsync for a copy of one row or of
+// rows that touch in both (pitch == width), one cuMemcpy2DAsync otherwise.
+// Every copy is checked (positive sizes, width <= each pitch of a copy of
+// several rows) before the first is queued: an InvalidValue otherwise.
+void copy_2d_by_engine(int device, const std::vector<Copy2D>& copies);
+
 }  // namespace torch_ipc

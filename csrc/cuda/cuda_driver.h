@@ -39,6 +39,7 @@ namespace torch_ipc {
   X(cuStreamQuery)                          \
   X(cuStreamCreate)                         \
   X(cuMemcpyAsync)                          \
+  X(cuMemcpy2DAsync)                        \
   X(cuMemCreate)                            \
   X(cuMemRelease)                           \
   X(cuMemExportToShareableHandle)           \

@@ -80,6 +80,19 @@ void bind_copy_engine(py::module_& m) {
       },
       py::arg("ids"), py::arg("spans"), py::arg("block_bytes"), py::arg("rows"), py::arg("into_rows"),
       py::arg("device"), py::arg("batch"), py::arg("prefer_overlap"));
+  m.def(
+      "copy_2d_by_engine",
+      [](const at::Tensor& table, int device) {
+        TORCH_IPC_CHECK_VALUE(table.device().is_cpu() && table.scalar_type() == at::kLong && table.is_contiguous() &&
+                                  table.dim() == 2 && table.size(1) == 6,
+                              "torch_ipc: a 2-D copy table must be a contiguous CPU int64 tensor [n, 6]");
+        const int64_t* row = table.data_ptr<int64_t>();
+        std::vector<Copy2D> copies;
+        for (int64_t i = 0; i < table.size(0); ++i, row += 6)
+          copies.push_back(Copy2D{row[0], row[1], row[2], row[3], row[4], row[5]});
+        copy_2d_by_engine(device, copies);
+      },
+      py::arg("table"), py::arg("device"));
   m.def("memcpy_batch_available", []() {
     std::string why;
     bool ok = memcpy_batch_available(&why);

@@ -2,6 +2,8 @@
 trainer ranks publish their shards, engine ranks of another tensor-parallel
 layout pull exactly their slices, bit for bit, never mixing versions."""
 
+import signal
+
 import distributed_helpers as dh
 import pytest
 import sharded_helpers as sh
@@ -67,31 +69,59 @@ def test_a_piece_larger_than_a_bucket_is_cut_and_buckets_stay_bounded():
         buckets([("w", ((0, 1 << 23), (0, 64)))], {"w": 4}, 256)
 
 
+def test_a_pairs_buckets_grow_from_an_eighth_and_shrink_towards_the_end():
+    """Note [sharded rounds]: 140 pieces of 11 KiB in buckets of at most
+    256 KiB: the first bucket (packed before anything is on the wire) and the
+    last (unpacked after) hold about 32 KiB, the ones between up to 256 KiB."""
+    boxes = [(f"t{i}", ((0, 11 << 9),)) for i in range(140)]  # 11 KiB of bf16 each
+    out = buckets(boxes, {name: 2 for name, _ in boxes}, 256 << 10)
+    sizes = [sum((p.box[0][1] - p.box[0][0]) * 2 for p in b) for b in out]
+    assert sizes[0] <= 32 << 10 and sizes[-1] <= 32 << 10 and max(sizes) > 200 << 10
+    assert all(s <= 256 << 10 for s in sizes) and sum(sizes) == 140 * (11 << 10)
+    assert sizes[:4] == sorted(sizes[:4]) and sizes[-4:] == sorted(sizes[-4:], reverse=True)
+
+
 # ----------------------------------------------------------------------------- across nodes, in-memory transport
 
-@pytest.mark.parametrize("trainers,engines,layout,alone", [(2, 1, "tp", 0), (1, 2, "tp", 0), (2, 4, "tp", 0),
-                                                            (2, 2, "fsdp", 0), (3, 2, "fsdp", 0), (2, 2, "tp", 64)])
-def test_remote_sharded_pull_over_the_in_memory_transport(trainers, engines, layout, alone, monkeypatch):
+@pytest.mark.parametrize("trainers,engines,layout,bucket_bytes", [
+    (2, 1, "tp", 512), (1, 2, "tp", 512), (2, 4, "tp", 512), (2, 2, "fsdp", 512), (3, 2, "fsdp", 512),
+    (2, 2, "tp", 256), (2, 1, "tp", 1 << 20), (1, 2, "tp", 1 << 20)])
+def test_remote_sharded_pull_over_the_in_memory_transport(trainers, engines, layout, bucket_bytes):
     """Trainer ranks and engine ranks as threads on the in-memory transport:
     every engine rank gets every version of its slices bit for bit (bf16 on
-    odd engine ranks: converted in the pull). `alone`: pieces of 64 bytes or
-    more get buckets of their own, sent from the snapshot and received into
-    the engine's tensors in place where both are contiguous."""
-    if alone:
-        monkeypatch.setattr("torch_ipc.weights._shard_plan.ALONE_BYTES", alone)
+    odd engine ranks: converted in the unpack). Buckets of 1 MiB: one
+    transfer per pair and version, everything packed; of 256 bytes: pieces
+    cut into row ranges, a bucket of one piece received in place where the
+    engine tensor is contiguous and fp32."""
     hub = th.Hub(trainers + engines)
     t_ranks, e_ranks = list(range(trainers)), list(range(trainers, trainers + engines))
-    fns = [lambda i=i: sh.remote_rank(hub.transport(i), "trainer", i, t_ranks, e_ranks, layout, 4)
-           for i in range(trainers)]
+    fns = [lambda i=i: sh.remote_rank(hub.transport(i), "trainer", i, t_ranks, e_ranks, layout, 4,
+                                      bucket_bytes=bucket_bytes) for i in range(trainers)]
     fns += [lambda j=j: sh.remote_rank(hub.transport(trainers + j), "engine", j, t_ranks, e_ranks, layout, 4,
                                        torch.bfloat16 if j % 2 else torch.float32) for j in range(engines)]
     results = th.run_ranks(fns)
     received = [sum(r[0]) for r in results[trainers:]]
     in_place = [r[1] for r in results[trainers:]]
-    assert in_place[1::2] == [0] * (engines // 2) and (in_place[0] > 4 or not alone)  # never into bf16 tensors
+    per_pair = [r[2] for r in results[trainers:]]
+    assert in_place[1::2] == [0] * (engines // 2)  # never into bf16 tensors
+    if bucket_bytes == 1 << 20:
+        assert per_pair == [[1] * trainers] * engines and in_place == [0] * engines
+    elif bucket_bytes == 256:
+        assert in_place[0] > 0 and max(per_pair[0]) > 4
     for j, got in enumerate(received):  # exactly the bytes of its slices, in the trainer's dtype (fp32)
         want = sum(t.numel() * 4 for t in sh.engine_expected(sh.full_model(0), j, engines).values())
         assert got <= want + 256 * 64 and got >= want
+
+
+def test_pieces_of_a_pair_share_buckets_whatever_their_size(monkeypatch):
+    """Three pieces of 300 KiB and a small one in buckets of 1 MiB, without
+    the ramp: one bucket, one transfer (a piece of 256 KiB or more used to be
+    a bucket, and a transfer, of its own: four)."""
+    monkeypatch.setattr("torch_ipc.weights._shard_plan.RAMP", 1)
+    boxes = [("w", ((0, 300), (0, 256))), ("x", ((0, 300), (0, 256))), ("y", ((0, 300), (0, 256))), ("b", ((0, 3),))]
+    out = buckets(boxes, {"w": 4, "x": 4, "y": 4, "b": 4}, 1 << 20)
+    assert [[p.name for p in b] for b in out] == [["w", "x", "y", "b"]]
+    assert [p.offset for p in out[0][:3]] == [0, 300 << 10, 600 << 10]
 
 
 # ----------------------------------------------------------------------------- one node, processes
@@ -155,6 +185,83 @@ def test_remote_sharded_pull_over_gloo_tp2_to_tp2_in_bf16():
         assert results[:2] == [3, 3] and all(sum(r[0]) > 0 for r in results[2:])
 
 
+@pytest.mark.parametrize("trainers,engines,bucket_bytes", [(2, 1, 512), (1, 2, 512), (2, 4, 1 << 16)])
+def test_remote_sharded_pull_over_gloo_in_buckets_under_continuous_publishing(trainers, engines, bucket_bytes):
+    """Processes over gloo: TP 2->1, 1->2 and 2->4 (uneven: 10, 6, 14 rows in
+    4), fused qkv and gate_up; buckets of 512 bytes: several packed buckets
+    per pair and version. Trainer ranks publish 6 versions each on its own
+    schedule; every engine pull is one version of every shard, bit for bit."""
+    url, world = dh.group_url(), trainers + engines
+    t_ranks, e_ranks = list(range(trainers)), list(range(trainers, world))
+    with PeerGroup(timeout=TIMEOUT) as group:
+        peers = [group.get(f"rank{r}") for r in range(world)]
+        for r, peer in enumerate(peers):
+            role, index = ("trainer", r) if r < trainers else ("engine", r - trainers)
+            peer.start_call(sh.group_rank, url, r, world, role, index, t_ranks, e_ranks, "tp", 6,
+                            bucket_bytes=bucket_bytes, pause_s=0.01)
+        results = [p.result() for p in peers]
+    assert results[:trainers] == [6] * trainers
+    per_pair = [r[2] for r in results[trainers:]]
+    if bucket_bytes == 512:
+        assert max(max(p) for p in per_pair) >= 2  # several buckets per version
+
+
+def _dead_engine(backend: str, devices):
+    """A trainer rank, engine ranks 0 and 1 (ranks 1, 2; `devices` per rank);
+    version 1 reaches both; then engine rank 1 is killed."""
+    url, timeout = dh.group_url(), 3.0
+    group = PeerGroup(timeout=TIMEOUT)
+    peers = [group.get(name) for name in ("trainer", "engine0", "engine1")[:len(devices)]]
+    for r, (peer, device) in enumerate(zip(peers, devices)):
+        role, index = ("trainer", 0) if r == 0 else ("engine", r - 1)
+        peer.start_call(sh.group_join, url, r, len(devices), role, index, [0], list(range(1, len(devices))), timeout,
+                        backend, device)
+    assert [p.result() for p in peers] == list(range(len(devices)))
+    peers[0].start_call(sh.group_publish, 1)
+    for peer in peers[1:]:
+        peer.start_call(sh.group_pull, 1, TIMEOUT)
+    for peer in peers[1:]:
+        got = peer.result()
+        assert got == ([1], None), got
+    assert peers[0].result() == ([1], None)
+    peers[-1].kill(signal.SIGKILL)
+    return group, peers, timeout
+
+
+def test_a_dead_engine_rank_fails_the_next_sends_in_bounded_time_over_gloo():
+    """Note [a dead engine rank]: once engine rank 1 is dead, the trainer's
+    publish raises BroadcastError naming it and saying the group must be
+    rebuilt, within the send timeout (3 s; gloo may still buffer a version
+    or two for a socket it has not seen close: up to 4 tries), and never
+    hangs; the surviving engine rank's pull raises TimeoutError within its
+    timeout instead of waiting forever for buckets that will not come."""
+    group, peers, timeout = _dead_engine("gloo", ["cpu"] * 3)
+    with group:
+        peers[1].start_call(sh.group_pull, 4, timeout)
+        published, error = peers[0].call(sh.group_publish, 4)
+        assert error is not None, f"versions {published} went out with engine rank 1 dead"
+        kind, cause, message, seconds = error
+        assert kind == "BroadcastError" and cause in ("TimeoutError", "ConnectionError"), error
+        assert "rank 2" in message or "ranks [1, 2]" in message or "ranks [2]" in message, message
+        assert "form a new one" in message and seconds < timeout + 5, error
+        pulled, error = peers[1].result()
+        assert pulled == published and error is not None and error[0] == "TimeoutError", (pulled, error)
+        assert "rank 0" in error[2] and "form a new one" in error[2] and error[3] < 2 * timeout + 5, error
+
+
+@pytest.mark.gpus(2)
+def test_a_dead_engine_rank_fails_the_next_send_in_bounded_time_over_nccl():
+    """The same over NCCL (trainer on GPU 0, engine on GPU 1): a send to the
+    killed engine stops completing; that publish raises BroadcastError with
+    the TimeoutError of its bounded wait, instead of spinning until the
+    watchdog aborts the process."""
+    group, peers, timeout = _dead_engine("nccl", ["cuda:0", "cuda:1"])
+    with group:  # NCCL may complete a few small sends into the dead peer's buffers before it blocks
+        published, error = peers[0].call(sh.group_publish, 12)
+        assert error is not None and error[0] == "BroadcastError", (published, error)
+        assert "form a new one" in error[2] and error[3] < timeout + 5, error
+
+
 def test_dtensor_trainer_ranks_on_a_cpu_mesh_to_tp_engines():
     """Two trainer ranks hold the model as DTensors (Shard(0) columns, Shard(1)
     rows, Replicate norm published by rank 0 only) on init_device_mesh("cpu",
@@ -185,14 +292,17 @@ def test_dtensor_trainer_ranks_on_a_cpu_mesh_to_tp_engines():
 # ----------------------------------------------------------------------------- GPUs
 
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("trainers,engines", [(2, 1), (1, 2)])
-def test_one_node_sharded_pull_on_two_gpus(trainers, engines):
+@pytest.mark.parametrize("trainers,engines,dtype", [(2, 1, torch.bfloat16), (1, 2, torch.bfloat16),
+                                                    (2, 1, torch.float32), (1, 2, torch.float32)])
+def test_one_node_sharded_pull_on_two_gpus(trainers, engines, dtype):
     """Trainer TP=2 on GPUs 0,1 -> engine TP=1 on GPU 0 (it reads GPU 1's
     shard over the peer link), and TP=1 on GPU 0 -> TP=2 on GPUs 0,1; bf16
-    engines, every version bit for bit under continuous publishing."""
+    engines (converted by the kernel) and fp32 ones (pieces from the other
+    GPU on the copy engine: Note [peer pieces on the copy engine]), every
+    version bit for bit under continuous publishing."""
     devices = ([f"cuda:{i}" for i in range(trainers)], [f"cuda:{j}" for j in range(engines)])
     with PeerGroup(timeout=TIMEOUT) as group:
-        t_peers, e_peers = _one_node(group, trainers, engines, "tp", torch.bfloat16, devices)
+        t_peers, e_peers = _one_node(group, trainers, engines, "tp", dtype, devices)
         for peer in e_peers:
             peer.start_call(sh.engine_pull_until, 8)
         for peer in t_peers:
@@ -248,6 +358,30 @@ def test_a_failed_send_is_a_broadcast_error_and_later_versions_stay_local():
     with pytest.raises(BroadcastError, match="published on this node.*peer gone"):
         pubs[0].publish()
     assert pubs[0].publish() == 2 and pubs[0]._sender is None
+
+
+def test_an_engine_waits_for_a_started_version_within_its_timeout_only():
+    """Note [a dead engine rank], on the in-memory transport: with no version
+    coming, pull(timeout=0.3) raises TimeoutError; with the headers of version 1
+    sent and no bucket after them (the trainers died half way), pull() raises
+    TimeoutError after the receiver's 0.5 s, naming a trainer rank and saying
+    the group must be rebuilt (before: it waited for ever)."""
+    import time
+
+    from torch_ipc.weights._shard_remote import MAGIC
+
+    start = time.monotonic()
+    _, sub = _remote_pair(th.Hub(3), before=0)
+    with pytest.raises(TimeoutError, match="rank 0 within 0.3 s.*form a new one"):
+        sub.pull(timeout=0.3)
+    pubs, sub = _remote_pair(th.Hub(3), before=0)  # a timed-out group is not used again
+    sub._receiver.timeout = 0.5
+    for pub in pubs:
+        sender = pub._sender
+        sender.transport.send(torch.tensor([MAGIC, 1, len(sender.plans[0])]), 2)
+    with pytest.raises(TimeoutError, match="version 1 was not exchanged with rank [01] within 0.5 s.*form a new one"):
+        sub.pull()
+    assert time.monotonic() - start < 5 and sub.version == 0
 
 
 def test_scalars_and_whole_tensors_are_taken_as_they_are():

@@ -7,7 +7,8 @@ slice is one run per row), fp32 -> bf16 contiguous pairs through one launch
 of its conversion kernel (Note [batched copy kernels] in
 csrc/cuda/batched_copy.cpp, torch_ipc/_batched_copy.py); a source on another
 GPU too when the caller made it readable there (``peer_sources``: Note [peer
-reads of a snapshot] in _shard_local.py). Everything else (other
+reads of a snapshot] in _shard_local.py), unless the copy engine takes it as
+one 2-D copy (Note [peer pieces on the copy engine] in _copy_engine.py). Everything else (other
 conversions, short runs, CPU tensors) goes through one
 ``torch._foreach_copy_``. ``path`` says which ran.
 """
@@ -18,6 +19,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .. import _batched_copy
+from ._copy_engine import EngineCopies, copy_2d, engine_wanted
 
 __all__ = ["BatchedCopy", "kernels_available"]
 
@@ -91,8 +93,13 @@ class BatchedCopy:
         self._launches: List[Tuple[torch.Tensor, int]] = []
         fallback = []
         groups = {}
+        engine = {}
         why = ""
         for src, dst in self._pairs:
+            by_engine = self._engine_copy(src, dst)
+            if by_engine is not None:
+                engine.setdefault(dst.device, []).append(by_engine)
+                continue
             ok, why_not = self._kernel_fits(src, dst)
             if ok:
                 kind = _COPY if src.dtype == dst.dtype else _F32_TO_BF16
@@ -102,13 +109,22 @@ class BatchedCopy:
                 fallback.append((src, dst))
         for (kind, device), group in groups.items():
             self._launches.append((item_table(group, kind, device), kind))
+        self._engine = [EngineCopies(copies, device) for device, copies in engine.items()]
         self._dst = [d for _, d in fallback]
         self._src = [s for s, _ in fallback]
         self.bytes = sum(s.numel() * s.element_size() for s, _ in self._pairs)
-        self.launches = len(self._launches) + (1 if fallback else 0)
-        kinds = (["kernel"] if self._launches else []) + (["foreach"] if fallback else [])
+        self.launches = len(self._launches) + len(self._engine) + (1 if fallback else 0)
+        kinds = (["copy_engine"] if self._engine else []) + (["kernel"] if self._launches else []) + \
+            (["foreach"] if fallback else [])
         self.path = "+".join(kinds) or "empty"
         self.why_foreach = why
+
+    def _engine_copy(self, src: torch.Tensor, dst: torch.Tensor):
+        """The 2-D copy of a pair read from a peer GPU by the copy engine, or
+        None (Note [peer pieces on the copy engine] in _copy_engine.py)."""
+        if not (self._peer_sources and src.is_cuda and dst.is_cuda and src.device != dst.device):
+            return None
+        return copy_2d(src, dst) if engine_wanted() else None
 
     def _kernel_fits(self, src: torch.Tensor, dst: torch.Tensor) -> Tuple[bool, str]:
         if src.device != dst.device and not (self._peer_sources and src.is_cuda and dst.is_cuda):
@@ -125,7 +141,10 @@ class BatchedCopy:
         return False, f"{src.dtype} -> {dst.dtype}"
 
     def run(self) -> None:
-        """Queue the copies on the current stream (CUDA); copy now (CPU)."""
+        """Queue the copies on the current stream (CUDA; the copy engine's on a
+        side stream it waits for); copy now (CPU)."""
+        for engine in self._engine:
+            engine.run()
         for table, kind in self._launches:
             _batched_copy.launch(table, kind)
         if self._dst:

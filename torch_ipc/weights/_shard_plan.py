@@ -10,7 +10,6 @@ from ._errors import WeightsMismatchError
 from ._shard_layout import Box, Held, Part, Take, intersect, parts_of, relative, volume
 
 MAX_PIECES = 1 << 22  # pieces of one (trainer, engine) pair in one version (Note [counts from a peer])
-ALONE_BYTES = 256 << 10  # a piece this large gets a bucket of its own, in place when it can (Note [sharded rounds])
 
 
 class Copy(NamedTuple):
@@ -103,25 +102,38 @@ def _split(box: Box, itemsize: int, limit: int, dim: int = 0) -> Iterator[Box]:
         yield box[:dim] + ((r, min(hi, r + step)),) + box[dim + 1:]
 
 
+RAMP = 8  # a pair's first and last buckets hold about bucket_bytes / RAMP (Note [sharded rounds])
+
+
+def _limit(k: int, left: int, bucket_bytes: int) -> int:
+    """The bytes bucket `k` of a pair may hold with `left` bytes still to place:
+    doubling from bucket_bytes / RAMP, halving towards the end."""
+    smallest = max(256, bucket_bytes // RAMP)
+    return min(bucket_bytes, smallest << min(k, 62), max(smallest, left // 2))
+
+
 def buckets(boxes: Sequence[Tuple[str, Box]], itemsize: Mapping[str, int], bucket_bytes: int) -> List[List[Piece]]:
     """The pieces of one (trainer, engine) pair packed into buckets of at most
-    `bucket_bytes` (a piece larger than a bucket is cut first); each piece
-    starts 256-byte aligned; a piece of ALONE_BYTES or more is alone in its
-    bucket. Raises ValueError past MAX_PIECES."""
-    out: List[List[Piece]] = []
-    used, count = bucket_bytes, 0
+    `bucket_bytes`, few and large, the first and last ones smaller (Note
+    [sharded rounds]: _limit): a piece larger than a bucket is cut first, a
+    piece that does not fit in the room its bucket has left starts the next
+    one; each piece starts 256-byte aligned. Raises ValueError past MAX_PIECES."""
+    pieces: List[Tuple[str, Box, int]] = []
     for name, box in boxes:
-        size = itemsize[name]
-        for sub in _split(box, size, bucket_bytes):
-            count += 1
-            if count > MAX_PIECES:
+        for sub in _split(box, itemsize[name], bucket_bytes):
+            if len(pieces) == MAX_PIECES:
                 raise ValueError(f"torch_ipc.weights: more than {MAX_PIECES} pieces in buckets of {bucket_bytes} "
                                  "bytes; use larger buckets")
-            nbytes = volume(sub) * size
-            alone = nbytes >= min(ALONE_BYTES, bucket_bytes)
-            if used + nbytes > bucket_bytes or alone:
-                out.append([])
-                used = 0
-            out[-1].append(Piece(name, sub, used))
-            used = bucket_bytes if alone else used + -(-nbytes // 256) * 256
+            pieces.append((name, sub, -(-volume(sub) * itemsize[name] // 256) * 256))
+    out: List[List[Piece]] = []
+    left = sum(n for _, _, n in pieces)
+    used = limit = 0
+    for name, sub, nbytes in pieces:
+        if not out or used + nbytes > limit:
+            limit = _limit(len(out), left, bucket_bytes)
+            out.append([])
+            used = 0
+        out[-1].append(Piece(name, sub, used))
+        used += nbytes
+        left -= nbytes
     return out

@@ -2,7 +2,8 @@
 intersections it needs, point to point through a Transport, in bounded
 buckets (Note [sharded weights] in sharded.py)."""
 
-from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple
+import time
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -64,6 +65,13 @@ def _itemsizes(sources: Mapping[str, List[Tuple[int, Held]]]) -> Dict[str, int]:
     return {name: torch.empty(0, dtype=rows[0][1].dtype).element_size() for name, rows in sources.items()}
 
 
+# Note [polling a version]: a version's transfers are polled with sleeps of
+# at most 100 us, not the 1 ms of other control waits: a pull or a publish
+# returns at most that late after its last transfer (a 1.5 GB version is
+# ~4 ms on NVLink), and an engine waiting for the next version wakes at most
+# 10000 times a second.
+POLL_SLEEP = 1e-4
+
 IN_FLIGHT = 2  # rounds in flight: packing or unpacking one overlaps the transfer of the other
 
 
@@ -101,6 +109,62 @@ def _as_bytes(view: torch.Tensor):
     """A contiguous tensor as its bytes (the wire carries bytes: NCCL pairs a
     send and a receive by count and type), else None."""
     return view.reshape(-1).view(torch.uint8) if view.is_contiguous() else None
+
+
+class _Waits:
+    """The transfers of one version, each waited for by one deadline (Note [a
+    bounded wait]): a polled one (NCCL) is ordered on the current stream at
+    once and polled at the end (the host keeps queueing rounds meanwhile),
+    any other one is waited for in turn. A failure names the peer and says
+    the group is gone."""
+
+    def __init__(self, transport: _dist.Transport, timeout: Optional[float], version: int):
+        self.transport, self.timeout, self.version = transport, timeout, version
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.polled: List[Tuple[Any, torch.Tensor, int]] = []
+
+    def _poll(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cuda" and not self.transport.through_host(tensor)
+
+    def wait(self, works: Sequence[Any], ops: Sequence[_dist.P2P], ordered: bool = True) -> None:
+        """``ordered``: the current stream waits for a polled transfer now (the
+        unpack of a bucket or the reuse of its staging follows it there)."""
+        for work, (_, tensor, peer) in zip(works, ops):
+            if self._poll(tensor):
+                if ordered:
+                    work.wait()
+                self.polled.append((work, tensor, peer))
+            else:
+                self._finish(work, tensor, peer)
+
+    def close(self) -> None:
+        for work, tensor, peer in self.polled:
+            self._finish(work, tensor, peer)
+        self.polled = []
+
+    def control(self, works: Sequence[Any], ops: Sequence[_dist.P2P]) -> None:
+        """Wait for control transfers (headers) now, a polled one polled before
+        its wait() (Note [waiting for a control message])."""
+        for work, (_, tensor, peer) in zip(works, ops):
+            self._finish(work, tensor, peer)
+
+    def _finish(self, work: Any, tensor: torch.Tensor, peer: int) -> None:
+        try:
+            _dist.finish(work, tensor, self.deadline, self._poll(tensor), POLL_SLEEP)
+        except (TimeoutError, RuntimeError, ConnectionError) as e:
+            raise lost(peer, self.version, self.timeout, e) from e
+
+
+REBUILD = ("the group cannot be used again: destroy it, form a new one, and call ShardedPublisher.send_to() and "
+           "ShardedSubscriber.remote() on it (Note [a dead engine rank] in torch_ipc/weights/sharded.py)")
+
+
+def lost(peer: int, version: int, timeout: Optional[float], error: BaseException) -> Exception:
+    """The error of a transfer of `version` with rank `peer` that failed or did not finish in `timeout` s."""
+    kind = TimeoutError if isinstance(error, TimeoutError) else ConnectionError
+    within = "" if timeout is None else f" within {timeout} s"
+    return kind(f"torch_ipc.weights: version {version} was not exchanged with rank {peer}{within} "
+                f"({type(error).__name__}: {error}): that rank died or the group broke; {REBUILD}")
 
 
 def _run_rounds(schedule: _Schedule, post, finish) -> None:
@@ -163,15 +227,16 @@ class Sender:
                        for k, b in enumerate(plan)]
                       for i, (plan, direct) in enumerate(zip(self.plans, self.direct))]
 
-    def send(self, version: int) -> None:
-        """Send `version` (already in the snapshot) to every engine rank."""
-        headers = [torch.tensor([MAGIC, version, len(plan)], dtype=torch.int64).to(self.transport.control_device)
-                   for plan in self.plans]
-        for work, header in zip(self.transport.batch([("send", h, e) for h, e in zip(headers, self.engines)]),
-                                headers):
-            _dist.finish(work, header)
+    def send(self, version: int, timeout: float) -> None:
+        """Send `version` (already in the snapshot) to every engine rank; every
+        transfer done within `timeout` seconds, else TimeoutError (Note [a dead
+        engine rank] in sharded.py)."""
+        waits = _Waits(self.transport, timeout, version)
+        header_ops = [("send", torch.tensor([MAGIC, version, len(plan)], dtype=torch.int64).to(
+            self.transport.control_device), e) for plan, e in zip(self.plans, self.engines)]
+        waits.wait(_post(self.transport, header_ops), header_ops, ordered=False)  # NCCL: the buckets queue behind
 
-        def post(r: int) -> List[Any]:
+        def post(r: int) -> Tuple[List[Any], List[_dist.P2P]]:
             ops = []
             for i, k in _round_buckets(self.schedule, r):
                 data = self.direct[i][k]
@@ -179,9 +244,20 @@ class Sender:
                     self.packs[i][k].run()
                     data = self.schedule.buffer(i, k, self.ends[i][k])
                 ops.append(("send", data, self.engines[i]))
-            return self.transport.batch(ops)
+            return _post(self.transport, ops), ops
 
-        _run_rounds(self.schedule, post, lambda r, works: [w.wait() for w in works])
+        _run_rounds(self.schedule, post, lambda r, posted: waits.wait(*posted))
+        waits.close()
+
+
+def _post(transport: _dist.Transport, ops: List[_dist.P2P]) -> List[Any]:
+    """``transport.batch(ops)``; a peer that is gone may make the post itself
+    raise (gloo, once it saw the socket close): that error names the peers."""
+    try:
+        return transport.batch(ops)
+    except (RuntimeError, ConnectionError) as e:
+        raise ConnectionError(f"torch_ipc.weights: starting transfers with ranks {sorted({p for _, _, p in ops})} "
+                              f"failed ({e}): one of them died or the group broke; {REBUILD}") from e
 
 
 def _ends(plans: Sequence[List[List[Piece]]], itemsize: Mapping[str, int]) -> List[List[int]]:
@@ -194,7 +270,7 @@ class Receiver:
     trainer rank's Sender; ``pull()`` with each of their ``send()``."""
 
     def __init__(self, transport: _dist.Transport, trainers: Sequence[int], engines: Sequence[int],
-                 dest: Mapping[str, torch.Tensor], wants: Mapping[str, Take], strict: bool):
+                 dest: Mapping[str, torch.Tensor], wants: Mapping[str, Take], strict: bool, timeout: float):
         _check_ranks(transport, trainers, engines)
         if transport.rank not in engines:
             raise ValueError(f"torch_ipc.weights: rank {transport.rank} is not one of the engines {list(engines)}")
@@ -213,7 +289,7 @@ class Receiver:
             raise error
         itemsize = _itemsizes(sources)
         me = list(engines).index(transport.rank)
-        self.transport, self.trainers, self.plan = transport, list(trainers), plan
+        self.transport, self.trainers, self.plan, self.timeout = transport, list(trainers), plan, float(timeout)
         self.plans = [buckets(list(pair_boxes(mine_wants[me], sources, t)), itemsize, bucket)
                       for t in range(len(trainers))]
         device = next(iter(dest.values())).device if dest else torch.device("cpu")
@@ -240,36 +316,42 @@ class Receiver:
                         for i, (plan_, direct) in enumerate(zip(self.plans, self.direct))]
         self.version = 0
 
-    def pull(self) -> int:
-        """Receive the next version from every trainer rank into the engine's tensors."""
-        headers = [torch.zeros(HEADER_WORDS, dtype=torch.int64, device=self.transport.control_device)
-                   for _ in self.trainers]
-        works = self.transport.batch([("recv", h, t) for h, t in zip(headers, self.trainers)])
-        for work, header in zip(works, headers):
-            _dist.finish(work, header)
-        got = [h.tolist() for h in headers]
-        version = got[0][1]
-        for (magic, v, n), plan, rank in zip(got, self.plans, self.trainers):
-            if magic != MAGIC or v != version or v <= self.version or n != len(plan):
-                raise ValueError(f"torch_ipc.weights: trainer {rank} sent header {[magic, v, n]} (expected version "
-                                 f"{version} > {self.version} in {len(plan)} buckets); the group is out of step")
+    def pull(self, timeout: Optional[float] = None) -> int:
+        """Receive the next version from every trainer rank into the engine's
+        tensors. ``timeout``: how long to wait for it to start (None: as
+        long as it takes); its buckets then arrive within the transfer
+        timeout, else TimeoutError."""
+        header_ops = [("recv", torch.zeros(HEADER_WORDS, dtype=torch.int64, device=self.transport.control_device), t)
+                      for t in self.trainers]
+        waits = _Waits(self.transport, timeout, self.version + 1)
+        waits.control(_post(self.transport, header_ops), header_ops)
+        version = self._check_headers([op[1].tolist() for op in header_ops])
+        waits = _Waits(self.transport, self.timeout, version)
 
-        def post(r: int) -> List[Any]:
+        def post(r: int) -> Tuple[List[Any], List[_dist.P2P]]:
             ops = []
             for i, k in _round_buckets(self.schedule, r):
                 data = self.direct[i][k]
                 if data is None:
                     data = self.schedule.buffer(i, k, self.ends[i][k])
                 ops.append(("recv", data, self.trainers[i]))
-            return self.transport.batch(ops)
+            return _post(self.transport, ops), ops
 
-        def finish(r: int, works: List[Any]) -> None:
-            for work in works:
-                work.wait()
+        def finish(r: int, posted) -> None:
+            waits.wait(*posted)
             for i, k in _round_buckets(self.schedule, r):
                 if self.unpacks[i][k] is not None:
                     self.unpacks[i][k].run()
 
         _run_rounds(self.schedule, post, finish)
+        waits.close()
         self.version = version
+        return version
+
+    def _check_headers(self, got: List[List[int]]) -> int:
+        version = got[0][1]
+        for (magic, v, n), plan, rank in zip(got, self.plans, self.trainers):
+            if magic != MAGIC or v != version or v <= self.version or n != len(plan):
+                raise ValueError(f"torch_ipc.weights: trainer {rank} sent header {[magic, v, n]} (expected version "
+                                 f"{version} > {self.version} in {len(plan)} buckets); the group is out of step")
         return version

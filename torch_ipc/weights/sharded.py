@@ -34,26 +34,59 @@ concatenated). Nothing needs the full tensor anywhere:
   rounds in which every trainer sends its k-th bucket to every engine at
   once (all sources in parallel, no rank-0 broadcast; Note [sharded
   rounds]); staging is two buckets per peer. The engine checks that every
-  trainer sends the same version, newer than its last; a failure half way leaves its tensors with a partial
-  update (say so, as bucketed mode does). A dead member breaks a
-  torch.distributed group: form a new one and construct Sender / Receiver
-  again (each has no state beyond its plan), as for the relay.
+  trainer sends the same version, newer than its last. A dead member:
+  Note [a dead engine rank].
 
 Note [sharded rounds]
 Round r moves bucket r of every (trainer, engine) pair, all pairs in one
-``batch`` (with NCCL one group call); two rounds are in flight (packing or
-unpacking one overlaps the transfer of the other). Both sides compute the
-buckets from the same plan, so the k-th send of a pair meets the k-th
-receive. A piece of 256 KiB or more is a bucket of its own, sent from the
-snapshot and received into the engine tensor in place when both sides are
-contiguous; smaller pieces are packed. Measured on two H100s (NVLink, NCCL,
-a 1.5 GB bf16 model of 105 tensors, 64 MiB buckets), against one raw send of
-the same bytes (4.2 ms): this schedule 7.3-8.9 ms (57%-48% over two runs);
-the same buckets grouped several to a round (one group call) 11.2 ms; every
-piece packed into full buckets, staged on both sides, 7.6 ms. What remains
-is NCCL's cost per operation of a pair (about 30 us each, 105 here), not
-bytes; fewer, larger operations need the engine's tensors to be one
-allocation, or a staging buffer of the whole model.
+``batch`` (with NCCL one group call); two rounds are in flight (packing
+bucket r+1 on the sender, unpacking bucket r-1 on the receiver, overlap the
+transfer of bucket r). Both sides compute the buckets once, from the same
+plan, so the k-th send of a pair meets the k-th receive: the intersections
+of a pair, in plan order, packed into as few buckets of at most
+``bucket_bytes`` (256 MiB by default) as that order allows, each piece
+256-byte aligned in its bucket's staging (a piece larger than a bucket is
+cut into row ranges first). A bucket of one piece is sent from the
+snapshot and received into the engine tensor in place when each side is
+contiguous (and of the wire's dtype); every other bucket is packed into a
+staging buffer by one BatchedCopy and unpacked by one (with the dtype
+conversion the engine asks for). Staging: two buckets per peer, per side.
+Why pack: NCCL costs about 30 us per operation of a pair whatever its size;
+the earlier schedule (a piece of 256 KiB or more sent alone, in place)
+spent 105 operations on a 1.5 GB model of 105 tensors and reached 55% of
+one raw send of the same bytes on two H100s; packed, a version is
+about bytes / bucket_bytes operations per pair, and a packing copy (device
+memory, ~2 TB/s) is hidden behind the wire except for the first bucket's
+pack and the last one's unpack. So a pair's buckets ramp: the first may
+hold bucket_bytes / RAMP (8), each next one twice the one before, up to
+bucket_bytes, and towards the end half of what is left (no less than the
+first): on a 1.5 GB pair of 256 MiB buckets, 12 operations whose first and
+last are ~22 MiB, instead of 7 whose first and last are ~250 MiB
+(benchmarks/sharded_bench.py --bucket-mib and --ramp measure both).
+
+Note [a dead engine rank]
+A version is one collective of every trainer and engine rank: the trainers'
+publish() and the engines' pull(). When an engine rank (or its node) dies,
+the transfers to it never finish: NCCL's kernel spins until its watchdog
+aborts the process, gloo's send fails once it sees the socket close or
+waits once its buffer is full. So every transfer of a version is bounded:
+publish() raises BroadcastError (its TimeoutError or ConnectionError names
+the rank) when the version has not reached every engine rank within
+send_to's ``timeout`` (that includes an engine rank that is alive but does
+not call pull(): choose the timeout above the longest gap between its
+pulls); an engine rank's pull() raises TimeoutError when a version it has
+started to receive stops for the receiver's ``timeout`` (a trainer rank
+died, or stopped sending after its own error), and waits for a version to
+start as long as its own ``timeout`` argument says. The other engine ranks
+do not keep going on the same group: a torch.distributed group with a dead
+member is unusable with NCCL (its communicator must be aborted), and every
+round is one batch over all pairs; with gloo a transfer is still posted on
+the broken pair. The version published on the trainers' node stays local
+(ShardedSubscriber keeps pulling it). To go on: destroy the group on the
+survivors, form a new one without the dead rank (or with its replacement),
+and construct ShardedPublisher.send_to() / ShardedSubscriber.remote() again:
+neither has state beyond its plan. A failure half way leaves the engine's
+tensors partly updated, as bucketed mode does.
 """
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
@@ -110,18 +143,22 @@ class ShardedPublisher(Closing):
         return self._publisher.attach(conn)
 
     def send_to(self, *, trainers: Sequence[int], engines: Sequence[int], transport: Optional[_dist.Transport] = None,
-                group: Any = None, bucket_bytes: int = 64 << 20) -> None:
+                group: Any = None, bucket_bytes: int = 256 << 20, timeout: float = 300.0) -> None:
         """From now on, also send every version to the engine ranks ``engines``
         of other nodes (ranks of ``group`` or ``transport``; ``trainers``: the
         trainer ranks' ranks, in trainer-rank order). A collective with every
         trainer rank's ``send_to`` and every engine rank's
         :class:`RemoteShardedSubscriber`. Each later ``publish()`` sends its
-        version to every engine rank (they are in ``pull()`` meanwhile)."""
+        version to every engine rank (they are in ``pull()`` meanwhile) in
+        buckets of at most ``bucket_bytes`` (Note [sharded rounds]; staging:
+        two per engine rank); it raises BroadcastError when an engine rank
+        has not taken it within ``timeout`` seconds (Note [a dead engine rank])."""
         transport = _dist.transport_for(transport, group)
         pub = self._publisher
         views = {e.name: typed_view(pub._buffer, e.offset, e.dtype, e.numel).view(e.shape) for e in pub.layout.entries}
         self._sender = None
         self._sender = Sender(transport, trainers, engines, self._held, views, int(bucket_bytes))
+        self._send_timeout = float(timeout)
 
     def publish(self) -> int:
         """Publish the current values as the next version (here, then to
@@ -129,7 +166,7 @@ class ShardedPublisher(Closing):
         version = self._publisher.publish()
         if self._sender is not None:
             try:
-                self._sender.send(version)
+                self._sender.send(version, self._send_timeout)
             except Exception as e:
                 self._sender = None
                 raise send_failed(version, "sending it to the remote engine ranks", "send_to", e) from e
@@ -193,12 +230,13 @@ class ShardedSubscriber(Closing):
     @staticmethod
     def remote(into: Any, *, trainers: Sequence[int], engines: Sequence[int],
                wants: Optional[Mapping[str, Take]] = None, strict: bool = True,
-               transport: Optional[_dist.Transport] = None, group: Any = None) -> "RemoteShardedSubscriber":
+               transport: Optional[_dist.Transport] = None, group: Any = None,
+               timeout: float = 300.0) -> "RemoteShardedSubscriber":
         """An engine rank on another node than the trainer ranks
         (:class:`RemoteShardedSubscriber`): a collective with every trainer
         rank's :meth:`ShardedPublisher.send_to`."""
         return RemoteShardedSubscriber(into, trainers=trainers, engines=engines, wants=wants, strict=strict,
-                                       transport=transport, group=group)
+                                       transport=transport, group=group, timeout=timeout)
 
 
 class RemoteShardedSubscriber:
@@ -206,22 +244,26 @@ class RemoteShardedSubscriber:
     it is a collective with every trainer rank's
     :meth:`ShardedPublisher.send_to` and the other engine ranks'
     constructors; ``pull()`` receives the next version into ``into`` (a
-    collective with the trainers' ``publish()``)."""
+    collective with the trainers' ``publish()``). Once a version has
+    started, its buckets must all arrive within ``timeout`` seconds, else
+    ``pull()`` raises TimeoutError (Note [a dead engine rank])."""
 
     def __init__(self, into: Any, *, trainers: Sequence[int], engines: Sequence[int],
                  wants: Optional[Mapping[str, Take]] = None, strict: bool = True,
-                 transport: Optional[_dist.Transport] = None, group: Any = None):
+                 transport: Optional[_dist.Transport] = None, group: Any = None, timeout: float = 300.0):
         dest = named_tensors(into, "the model pulled into")
         self._receiver = Receiver(_dist.transport_for(transport, group), trainers, engines, dest,
-                                  dict(wants or {}), strict)
+                                  dict(wants or {}), strict, timeout)
 
     @property
     def version(self) -> int:
         return self._receiver.version
 
-    def pull(self) -> int:
-        """Receive the next version; returns its number."""
-        return self._receiver.pull()
+    def pull(self, timeout: Optional[float] = None) -> int:
+        """Receive the next version; returns its number. ``timeout``: how long
+        to wait for the trainers to start sending it (None: as long as it
+        takes), TimeoutError past it."""
+        return self._receiver.pull(timeout)
 
     def plan_bytes(self) -> List[int]:
         """Bytes this rank receives per version from each trainer rank."""
