@@ -59,14 +59,17 @@ def test_an_engine_layout_that_does_not_fit_is_refused_with_every_problem():
     assert "shape mismatch: b" in text and "dtype mismatch: c" in text and "missing: d" in text and "a:" not in text
 
 
-def test_a_piece_larger_than_a_bucket_is_cut_and_buckets_stay_bounded():
+def test_a_piece_larger_than_a_bucket_is_cut_and_buckets_stay_bounded(monkeypatch):
     boxes = [("w", ((0, 10), (0, 100))), ("b", ((0, 3),))]
     out = buckets(boxes, {"w": 4, "b": 4}, 1024)  # rows of 400 bytes: two per bucket
     assert all(p.offset + 400 <= 1024 for b in out for p in b)
     covered = sorted((p.box[0] for b in out for p in b if p.name == "w"))
     assert covered[0][0] == 0 and covered[-1][1] == 10 and sum(hi - lo for lo, hi in covered) == 10
-    with pytest.raises(ValueError, match="pieces"):
-        buckets([("w", ((0, 1 << 23), (0, 64)))], {"w": 4}, 256)
+    # The bound on pieces, lowered so that reaching it takes milliseconds, not a minute.
+    monkeypatch.setattr("torch_ipc.weights._shard_plan.MAX_PIECES", 1000)
+    assert len([p for b in buckets([("w", ((0, 1000), (0, 64)))], {"w": 4}, 256) for p in b]) == 1000
+    with pytest.raises(ValueError, match="more than 1000 pieces in buckets of 256 bytes"):
+        buckets([("w", ((0, 1001), (0, 64)))], {"w": 4}, 256)
 
 
 def test_a_pairs_buckets_grow_from_an_eighth_and_shrink_towards_the_end():
