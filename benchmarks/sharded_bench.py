@@ -352,7 +352,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--bucket-mib", default="256", help="two nodes: bucket sizes to measure, e.g. 64,256")
     parser.add_argument("--ramp", default="8", help="two nodes: bucket ramps to measure, e.g. 1,8 (1: flat)")
-    parser.add_argument("--peer-copy", default="engine",
+    parser.add_argument("--peer-copy", default="kernel",
                         help="one node: TORCH_IPC_PEER_COPY values to measure, e.g. engine,kernel")
     parser.add_argument("--rows", default="tp2->tp1,tp1->tp2,two-nodes", help="rows to run")
     parser.add_argument("--timeout", type=float, default=300)

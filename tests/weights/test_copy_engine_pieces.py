@@ -59,6 +59,8 @@ def test_pairs_that_are_not_one_2d_copy_stay_with_the_kernel():
 
 def test_the_peer_copy_setting_is_engine_or_kernel(monkeypatch):
     monkeypatch.delenv("TORCH_IPC_PEER_COPY", raising=False)
+    assert not engine_wanted()  # the kernel by default (Note [peer pieces on the copy engine])
+    monkeypatch.setenv("TORCH_IPC_PEER_COPY", "engine")
     assert engine_wanted()
     monkeypatch.setenv("TORCH_IPC_PEER_COPY", "kernel")
     assert not engine_wanted()

@@ -300,9 +300,9 @@ def test_dtensor_trainer_ranks_on_a_cpu_mesh_to_tp_engines():
 def test_one_node_sharded_pull_on_two_gpus(trainers, engines, dtype):
     """Trainer TP=2 on GPUs 0,1 -> engine TP=1 on GPU 0 (it reads GPU 1's
     shard over the peer link), and TP=1 on GPU 0 -> TP=2 on GPUs 0,1; bf16
-    engines (converted by the kernel) and fp32 ones (pieces from the other
-    GPU on the copy engine: Note [peer pieces on the copy engine]), every
-    version bit for bit under continuous publishing."""
+    engines (converted by the kernel) and fp32 ones (no conversion; the copy
+    engine's path is compared with the kernel's in test_copy_engine_pieces.py),
+    every version bit for bit under continuous publishing."""
     devices = ([f"cuda:{i}" for i in range(trainers)], [f"cuda:{j}" for j in range(engines)])
     with PeerGroup(timeout=TIMEOUT) as group:
         t_peers, e_peers = _one_node(group, trainers, engines, "tp", dtype, devices)
