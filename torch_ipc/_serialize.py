@@ -271,8 +271,8 @@ def export_object(obj: Any, parts=None, *, consumers: Optional[int] = 1, isolate
 # output byte for byte; what stops is pickled again by _Pickler, which also
 # raises any error the object's pickling has (a __reduce__ of the user's own
 # runs twice then, once per pickling). The table is made again when copyreg's
-# or ForkingPickler's table gains or loses a type. A few such picklers and
-# their buffers are kept between messages (making them is half of a small
+# or ForkingPickler's table gains or loses a type. A few such picklers are
+# kept between messages (making one and its file is half of a small
 # message's pickling), each taken by one message at a time: a thread, or a
 # __reduce__ that pickles a message of its own, that finds none makes one. Where the pickle alone travels:
 # :func:`message` gives it, and torch_ipc's Connection (which tells it from a
@@ -288,7 +288,7 @@ def _not_plain(obj):
 
 
 _probe_table = (None, None)  # (fingerprint, table)
-_spares: list = []  # (dispatch table, protocol, buffer, pickler) not in use now
+_spares: list = []  # (dispatch table, protocol, pieces, pickler) not in use now
 _SPARES = 4  # kept for the threads that pickle at once
 
 
@@ -305,6 +305,16 @@ def _probe_dispatch_table():
     return _probe_table
 
 
+class _Sink:
+    """What a kept pickler writes to: the pieces, in a list (no file to rewind)."""
+
+    __slots__ = ("write", "pieces")
+
+    def __init__(self):
+        self.pieces: List[Any] = []
+        self.write = self.pieces.append
+
+
 def plain_dumps(obj: Any, protocol=None) -> Optional[bytes]:
     """``obj`` pickled as ``ForkingPickler.dumps(obj, protocol)`` would, if it
     holds no tensor, storage or object that multiprocessing reduces itself;
@@ -315,20 +325,20 @@ def plain_dumps(obj: Any, protocol=None) -> Optional[bytes]:
     except IndexError:
         spare = None
     if spare is None or spare[0] is not table or spare[1] != protocol:
-        buf = io.BytesIO()
-        pickler = pickle.Pickler(buf, protocol)
+        sink = _Sink()
+        pickler = pickle.Pickler(sink, protocol)
         pickler.dispatch_table = table
-        spare = (table, protocol, buf, pickler)
-    buf, pickler = spare[2], spare[3]
+        spare = (table, protocol, sink.pieces, pickler)
+    pieces, pickler = spare[2], spare[3]
     try:
         pickler.dump(obj)
-        return buf.getvalue()
+        # one piece, the pickler's own buffer, unless large items were written apart (protocol 4 and 5)
+        return pieces[0] if len(pieces) == 1 and type(pieces[0]) is bytes else b"".join(pieces)
     except Exception:  # _NotPlain, or an error that _Pickler raises again for the caller
         return None
     finally:
         pickler.clear_memo()  # it would hold the object's parts until the next message
-        buf.seek(0)
-        buf.truncate()
+        pieces.clear()
         if len(_spares) < _SPARES:
             _spares.append(spare)
 
