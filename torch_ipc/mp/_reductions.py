@@ -116,7 +116,7 @@ def _counted(dumps):
 # every message: 2.3 us of a 64-byte object's 2.6 on the 2-core machine, paid
 # twice per round trip, as much as the round trip of the bytes themselves on
 # torch_ipc's rings. A message that meets none of those reducers and no
-# tensor or storage pickles to the same bytes with a plain pickler (0.4 us,
+# tensor or storage pickles to the same bytes with a plain pickler (0.2 us,
 # reused by the thread): _serialize.plain_dumps, Note [messages without
 # tensors] in _serialize.py, whose rule decides for every torch_ipc channel.
 
