@@ -117,16 +117,22 @@ class Connection(Closeable):
         send: waiting for room under ``max_bytes_in_flight`` and writing to a
         peer that does not read. Past it, :class:`TimeoutError`; the message
         was not sent, or (written in part) the connection is closed."""
-        deadline = _flow.deadline_of(timeout)
         plain, parts = _serialize.message(obj)
-        if parts is None:  # no tensor: the pickle alone (Note [pickles beside descriptors])
-            self._write(plain, deadline)
+        if parts is None and timeout is None:  # no tensor: the pickle alone (Note [pickles beside descriptors])
+            self._conn.send_bytes(plain)
+            return
+        deadline = _flow.deadline_of(timeout)
+        if parts is None:
+            self._send_by(plain, deadline)
             return
         nbytes = _flow.storage_bytes(parts[0])
         self._wait_for_room(nbytes, deadline)
         sent = _serialize.export_object(obj, parts)
         try:
-            self._write(sent.data, deadline)
+            if deadline is None:
+                self._conn.send_bytes(sent.data)
+            else:
+                self._send_by(sent.data, deadline)
         except BaseException:
             sent.revoke()  # the peer has not got it (or got part of it): nobody loads it
             raise
@@ -157,12 +163,6 @@ class Connection(Closeable):
                     "read or released what was sent" + ("" if deadline is None else " within the timeout")
                     + "; pass send(timeout=...) to wait for it, or raise the limit")
             time.sleep(_flow.ROOM_POLL_S)
-
-    def _write(self, data: Any, deadline: Optional[float]) -> None:
-        if deadline is None:
-            self._conn.send_bytes(data)
-        else:
-            self._send_by(data, deadline)
 
     def _send_by(self, data: bytes, deadline: float) -> None:
         """send_bytes that gives up at ``deadline`` (Note [send time limit] in _flow.py)."""
