@@ -13,12 +13,13 @@ the multiprocessing Pipe's in the same run.
 The second table sends objects (send/recv, pickled) instead: 64 B of bytes,
 a small dict, a 4 KiB CPU tensor and a 4 KiB CUDA tensor (skipped without
 CUDA; answered by 0, see _reply), each echoed by a spawned child, on the
-same three channels. The floor is that channel's bytes round trip plus
-pickling and unpickling the object twice (measured here: ForkingPickler for
-the multiprocessing Pipe, what torch_ipc.Pipe's send() uses for torch_ipc's
-channels; a Connection's own serialization also makes a descriptor).
-Tensors go through torch_ipc's reductions on its own channels and through
-torch's on the multiprocessing Pipe.
+same three channels and on multiprocessing's own Pipe and Queue (put/get, a
+Queue each way) with init_reductions() on, beside the same calls on
+multiprocessing's Pipe and Queue with torch's reductions. Each row's ratios
+are over the multiprocessing channel of the same calls (column "vs"). The
+floor is the bytes round trip of the channel underneath (none for a Queue)
+plus pickling and unpickling the object twice, with what that channel
+pickles with.
 
 Usage:
     python benchmarks/channel_bench.py            # 30 batches of 2000 round trips
@@ -44,6 +45,7 @@ try:  # the installed torch_ipc, else the one of this checkout (built in place)
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch_ipc
+from torch_ipc import _serialize  # noqa: E402
 from torch_ipc.mp import _ring  # noqa: E402
 
 AUTHKEY = b"channel-bench"
@@ -154,29 +156,81 @@ def _echo_objects_connection(address, reductions):
         _echo_objects(conn, reductions)
 
 
+_STOP = "channel_bench: stop"
+
+
+class QueueEnds:
+    """send()/recv() over a pair of multiprocessing Queues, one each way."""
+
+    def __init__(self, out, back):
+        self.out, self.back = out, back
+
+    def send(self, obj):
+        self.out.put(obj)
+
+    def recv(self):
+        obj = self.back.get()
+        if isinstance(obj, str) and obj == _STOP:
+            raise EOFError
+        return obj
+
+    def other(self):
+        return QueueEnds(self.back, self.out)
+
+    def close(self):
+        self.out.put(_STOP)
+
+
+# name, what it is, the multiprocessing channel it is compared with, the bytes channel of its floor
+OBJECT_CHANNELS = [
+    ("multiprocessing.Pipe", "mp pipe", "multiprocessing.Pipe", "multiprocessing.Pipe"),
+    ("torch_ipc.Connection", "connection", "multiprocessing.Pipe", "torch_ipc.Connection"),
+    ("torch_ipc.Pipe", "pipe", "multiprocessing.Pipe", "torch_ipc.Pipe"),
+    ("multiprocessing.Pipe, init_reductions", "mp pipe+", "multiprocessing.Pipe", "multiprocessing.Pipe"),
+    ("multiprocessing.Queue", "mp queue", "multiprocessing.Queue", None),
+    ("multiprocessing.Queue, init_reductions", "mp queue+", "multiprocessing.Queue", None),
+]
+
+
 class ObjectChannel:
     """One channel to a spawned child that echoes objects; torch_ipc's
-    reductions on in both processes for torch_ipc's channels."""
+    reductions on in both processes for all but multiprocessing's own."""
 
-    def __init__(self, name, kind):
-        self.name, self.kind, self.times = name, kind, {}
-        self.reductions = kind != "mp"
+    def __init__(self, name, kind, baseline, bytes_channel):
+        self.name, self.kind, self.baseline, self.bytes_channel, self.times = name, kind, baseline, bytes_channel, {}
+        self.reductions = kind not in ("mp pipe", "mp queue")
         ctx = mp.get_context("spawn")
         if kind == "connection":
             with torch_ipc.listen(authkey=AUTHKEY) as listener:
                 self.proc = ctx.Process(target=_echo_objects_connection, args=(listener.address, True), daemon=True)
                 self.proc.start()
                 self.end = listener.accept()
+            return
+        if kind.startswith("mp queue"):
+            self.end = QueueEnds(ctx.Queue(), ctx.Queue())
+            b = self.end.other()
         else:
-            a, b = mp.Pipe() if kind == "mp" else torch_ipc.Pipe()
-            self.proc = ctx.Process(target=_echo_objects, args=(b, self.reductions), daemon=True)
-            self.proc.start()
+            self.end, b = mp.Pipe() if kind.startswith("mp pipe") else torch_ipc.Pipe()
+        self.proc = ctx.Process(target=_echo_objects, args=(b, self.reductions), daemon=True)
+        self.proc.start()
+        if not kind.startswith("mp queue"):
             b.close()
-            self.end = a
+
+    def dumps(self):
+        """What this channel pickles a message with (in the reductions' state of run())."""
+        from multiprocessing.reduction import ForkingPickler
+
+        if self.kind == "connection":
+            return lambda obj: _serialize.message(obj)[0]
+        return ForkingPickler.dumps
 
     def run(self, message, obj, n):
         with torch_ipc.reductions() if self.reductions else _nothing():
             self.times.setdefault(message, []).append(_batch(self.end, n, obj, objects=True))
+
+    def pickling(self, obj):
+        with torch_ipc.reductions() if self.reductions else _nothing():
+            return pickling_us(obj, self.dumps())
 
     def close(self):
         self.end.close()
@@ -211,24 +265,24 @@ def measure_objects(channels, messages, batches, n):
         for _ in range(batches):
             for c in channels:
                 c.run(m, objs[m], per)
-    from multiprocessing.reduction import ForkingPickler
-
-    ours = getattr(_ring, "_dumps", ForkingPickler.dumps)  # what torch_ipc.Pipe's send() pickles with
-    return {(m, c.name): pickling_us(objs[m], ForkingPickler.dumps if c.kind == "mp" else ours)
-            for m in messages if "tensor" not in m for c in channels}
+    return {(m, c.name): c.pickling(objs[m]) for m in messages if "tensor" not in m for c in channels}
 
 
 def object_table(channels, messages, bytes_floor, pickling):
-    base = channels[0]
-    lines = ["| message | channel | min us | median us | floor us | median / floor | min / mp Pipe "
-             "| median / mp Pipe |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    by_name = {c.name: c for c in channels}
+    lines = ["| message | channel | min us | median us | floor us | median / floor | vs | min / it "
+             "| median / it |", "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
     for m in messages:
-        bmin, bmed = min(base.times[m]), statistics.median(base.times[m])
         for c in channels:
+            base = by_name[c.baseline]
+            bmin, bmed = min(base.times[m]), statistics.median(base.times[m])
             lo, med = min(c.times[m]), statistics.median(c.times[m])
-            floor = bytes_floor[c.name] + pickling[m, c.name] if (m, c.name) in pickling else None
+            floor = None
+            if (m, c.name) in pickling and c.bytes_channel in bytes_floor:
+                floor = bytes_floor[c.bytes_channel] + pickling[m, c.name]
             f = f"{floor:.1f} | {med / floor:.2f}x" if floor else "- | -"
-            lines.append(f"| {m} | {c.name} | {lo:.1f} | {med:.1f} | {f} | {lo / bmin:.2f}x | {med / bmed:.2f}x |")
+            lines.append(f"| {m} | {c.name} | {lo:.1f} | {med:.1f} | {f} | {c.baseline} | {lo / bmin:.2f}x "
+                         f"| {med / bmed:.2f}x |")
     return "\n".join(lines)
 
 
@@ -238,17 +292,24 @@ def run_objects(args, batches, n, bytes_floor):
     messages = ["64 B bytes", "small dict", "4 KiB CPU tensor"]
     if torch.cuda.is_available():
         messages.append("4 KiB CUDA tensor")
-    channels = [ObjectChannel("multiprocessing.Pipe", "mp"), ObjectChannel("torch_ipc.Connection", "connection"),
-                ObjectChannel("torch_ipc.Pipe", "pipe")]
+    channels = []
     try:
+        for spec in OBJECT_CHANNELS:
+            channels.append(ObjectChannel(*spec))
         pickling = measure_objects(channels, messages, batches, n)
     finally:
         for c in channels:
             c.close()
-    print(f"\nobjects (send/recv), {batches} paired batches of {n} ({max(n // 10, 20)} for tensors); "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; floor: the channel's bytes median + "
-          "pickling and unpickling twice" + ("" if torch.cuda.is_available() else "; no CUDA: no CUDA row"))
+    print(f"\nobjects (send/recv; a Queue's put/get), {batches} paired batches of {n} ({max(n // 10, 20)} for "
+          f"tensors); {_cpus()}, load average {os.getloadavg()[0]:.1f}; floor: the bytes median of the channel "
+          "underneath + pickling and unpickling twice; vs: the multiprocessing channel of the same calls"
+          + ("" if torch.cuda.is_available() else "; no CUDA: no CUDA row"))
     print(object_table(channels, messages, bytes_floor, pickling))
+
+
+def _cpus():
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{os.cpu_count()} CPUs ({usable} usable here)"
 
 
 def main():
@@ -272,7 +333,7 @@ def main():
     finally:
         for c in channels:
             c.close()
-    print(f"64 B round trip, {batches} paired batches of {n}; {os.cpu_count()} CPUs, "
+    print(f"64 B round trip, {batches} paired batches of {n}; {_cpus()}, "
           f"load average {os.getloadavg()[0]:.1f}; default spin {default_spin:g} us")
     print(table(channels, channels[0]))
     if not args.no_objects:

@@ -181,9 +181,11 @@ def _flat(obj):
         if _C.shared_natively(obj):
             return [obj], [], _SINGLE
     elif kind is dict or kind is list or kind is tuple:
+        if not obj or type(next(iter(obj.values())) if kind is dict else obj[0]) not in _PLAIN_SET:
+            return None, None, None  # most messages: not a container of tensors
         values = list(obj.values()) if kind is dict else list(obj)
         types = set(map(type, values))
-        if values and types <= _PLAIN_SET and _C.all_shared_natively(values):
+        if types <= _PLAIN_SET and _C.all_shared_natively(values):
             parameters = [type(v) is torch.nn.Parameter for v in values] if torch.nn.Parameter in types else []
             if kind is dict:
                 keys = list(obj)
@@ -256,19 +258,27 @@ def export_object(obj: Any, parts=None, *, consumers: Optional[int] = 1, isolate
 
 
 # Note [messages without tensors]
-# Most messages on a torch_ipc Connection hold no tensor at all (a KV
-# hand-over, the weights' control messages, a reply), and pickling them as
-# ``_Pickler`` does costs ~10 us: a ForkingPickler copies its dispatch table
-# (80 entries) when made, and persistent_id is a Python call per object. So an
+# Most messages hold no tensor at all (a KV hand-over, the weights' control
+# messages, a reply, a dict of numbers). For them the fastest correct form is
+# the pickle alone, as multiprocessing would make it: no descriptor to build
+# and parse (~1 us each side), no persistent_id (a Python call per object),
+# no ForkingPickler (it copies its 80-entry dispatch table when made). So an
 # object that is not a fast shape is first pickled by the C pickler alone,
 # with a dispatch table that stops at the first tensor or storage, and at
 # every type multiprocessing reduces itself (connections, sockets, bound
 # methods: their reducers have effects, such as handing a file descriptor to
-# the resource sharer, which must happen once). What completes is the payload
-# (~2 us); what stops is pickled again by _Pickler, which also raises any
-# error the object's pickling has. A __reduce__ of the user's own runs twice
-# then, once per pickling. The table is made again when copyreg's or
-# ForkingPickler's table gains or loses a type.
+# the resource sharer, which must happen once). What completes is ForkingPickler's
+# output byte for byte; what stops is pickled again by _Pickler, which also
+# raises any error the object's pickling has (a __reduce__ of the user's own
+# runs twice then, once per pickling). The table is made again when copyreg's
+# or ForkingPickler's table gains or loses a type. A few such picklers are
+# kept between messages (making one and its file is half of a small
+# message's pickling), each taken by one message at a time: a thread, or a
+# __reduce__ that pickles a message of its own, that finds none makes one. Where the pickle alone travels:
+# :func:`message` gives it, and torch_ipc's Connection (which tells it from a
+# descriptor by its first byte, Note [pickles beside descriptors] in
+# mp/connection.py), torch_ipc.Pipe and multiprocessing's channels under
+# init_reductions() send it as is.
 class _NotPlain(Exception):
     """Raised by the probe's dispatch table: the object needs _Pickler."""
 
@@ -278,9 +288,11 @@ def _not_plain(obj):
 
 
 _probe_table = (None, None)  # (fingerprint, table)
+_spares: list = []  # (dispatch table, protocol, pieces, pickler) not in use now
+_SPARES = 4  # kept for the threads that pickle at once
 
 
-def _probe_dispatch_table() -> dict:
+def _probe_dispatch_table():
     global _probe_table
     extra = ForkingPickler._extra_reducers
     key = (len(copyreg.dispatch_table), len(extra))
@@ -290,21 +302,84 @@ def _probe_dispatch_table() -> dict:
         table.update(dict.fromkeys((torch.Tensor, torch.nn.Parameter, torch.UntypedStorage, torch.TypedStorage),
                                    _not_plain))
         _probe_table = (key, table)
-    return _probe_table[1]
+    return _probe_table
 
 
-def _pickled_without_tensors(obj: Any, protocol) -> Optional[bytes]:
-    """The payload of ``obj`` if it holds no tensor, storage or object that
-    multiprocessing reduces itself; else None (Note [messages without tensors])."""
-    buf = io.BytesIO()
-    buf.write(_PICKLED)
-    pickler = pickle.Pickler(buf, protocol)
-    pickler.dispatch_table = _probe_dispatch_table()
+class _Sink:
+    """What a kept pickler writes to: the pieces, in a list (no file to rewind)."""
+
+    __slots__ = ("write", "pieces")
+
+    def __init__(self):
+        self.pieces: List[Any] = []
+        self.write = self.pieces.append
+
+
+def plain_dumps(obj: Any, protocol=None) -> Optional[bytes]:
+    """``obj`` pickled as ``ForkingPickler.dumps(obj, protocol)`` would, if it
+    holds no tensor, storage or object that multiprocessing reduces itself;
+    else None (Note [messages without tensors])."""
+    table = _probe_dispatch_table()[1]
+    try:
+        spare = _spares.pop()  # atomic: each pickler serves one message at a time
+    except IndexError:
+        spare = None
+    if spare is None or spare[0] is not table or spare[1] != protocol:
+        sink = _Sink()
+        pickler = pickle.Pickler(sink, protocol)
+        pickler.dispatch_table = table
+        spare = (table, protocol, sink.pieces, pickler)
+    pieces, pickler = spare[2], spare[3]
     try:
         pickler.dump(obj)
+        # one piece, the pickler's own buffer, unless large items were written apart (protocol 4 and 5)
+        return pieces[0] if len(pieces) == 1 and type(pieces[0]) is bytes else b"".join(pieces)
     except Exception:  # _NotPlain, or an error that _Pickler raises again for the caller
         return None
-    return buf.getvalue()
+    finally:
+        pickler.clear_memo()  # it would hold the object's parts until the next message
+        pieces.clear()
+        if len(_spares) < _SPARES:
+            _spares.append(spare)
+
+
+def _pickled(obj: Any, protocol):
+    """(tensors, is_parameter, payload) of _Pickler."""
+    tensors, parameters = [], []
+    buf = io.BytesIO()
+    buf.write(_PICKLED)
+    _Pickler(buf, tensors, parameters, protocol).dump(obj)
+    return tensors, parameters, buf.getvalue()
+
+
+def message(obj: Any, *, protocol=pickle.HIGHEST_PROTOCOL):
+    """``(pickle, None)`` for an object without tensors (the pickle alone, as
+    ForkingPickler makes it: Note [messages without tensors]), else
+    ``(None, parts)``, ``parts`` being what :func:`split` returns."""
+    parts = _flat(obj)
+    if parts[2] is not None:
+        return None, parts
+    plain = plain_dumps(obj, protocol)
+    if plain is not None:
+        return plain, None
+    parts = _pickled(obj, protocol)
+    if not parts[0]:  # nothing to export: the pickle, without its tag
+        return memoryview(parts[2])[1:], None
+    return None, parts
+
+
+PICKLE_START = pickle.PROTO  # the first byte of what message() pickles (protocol 2 or more)
+
+
+def unpickle_message(data: bytes) -> Any:
+    """The object of a pickle that :func:`message` made, in full (for an
+    authenticated sender only); a :class:`DescriptorError` for one that does
+    not unpickle (never the EOFError of a truncated pickle, which would read
+    as the peer's end)."""
+    try:
+        return pickle.loads(data)
+    except Exception as e:
+        raise DescriptorError(f"torch_ipc: a message that does not unpickle: {e!r}") from e
 
 
 def split(obj: Any, *, protocol=pickle.HIGHEST_PROTOCOL):
@@ -312,21 +387,10 @@ def split(obj: Any, *, protocol=pickle.HIGHEST_PROTOCOL):
     (pickled with ``protocol`` where the fast paths do not apply).
     ``is_parameter`` has one entry per tensor, or none when no tensor is an
     nn.Parameter (as export_tensors takes it: no list of n False to build)."""
-    tensors, parameters, payload = _flat(obj)
-    if payload is None:
-        tensors, parameters = [], []
-        payload = _pickled_without_tensors(obj, protocol)
-    if payload is None:
-        buf = io.BytesIO()
-        buf.write(_PICKLED)
-        _Pickler(buf, tensors, parameters, protocol).dump(obj)
-        payload = buf.getvalue()
-    return tensors, parameters, payload
-
-
-def plain_pickle(payload: bytes):
-    """The pickle inside a payload from :func:`split` that found no tensor."""
-    return memoryview(payload)[1:]
+    plain, parts = message(obj, protocol=protocol)
+    if parts is None:
+        return [], [], _PICKLED + plain
+    return parts
 
 
 def export_parts(tensors, parameters, payload: bytes, *, consumers: int = 1, isolated: bool = False,

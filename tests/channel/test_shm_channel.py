@@ -5,6 +5,7 @@ import errno
 import mmap
 import multiprocessing as mp
 import os
+import pickle
 import random
 import select
 import signal
@@ -448,6 +449,31 @@ def test_connection_fileno_works_with_select_and_wait(ipc_peer):
             conn.recv()
 
 
+def _client_sends_objects(address):
+    with torch_ipc.connect(address, authkey=AUTHKEY) as conn:
+        message = {"step": 3, "ids": [1, 2], "name": "a"}
+        conn.send(message)
+        conn.send(message)
+        x = torch.arange(4.0)
+        conn.send(x)
+        conn.send_bytes(b"\x80\x05")  # a pickle cut short
+        conn.recv()  # done: x may go
+
+
+def test_connection_sends_a_message_without_tensors_as_its_pickle(ipc_peer):
+    # Note [pickles beside descriptors] in torch_ipc/mp/connection.py
+    with _accept_client(ipc_peer, _client_sends_objects) as conn:
+        message = {"step": 3, "ids": [1, 2], "name": "a"}
+        assert conn.recv_bytes() == pickle.dumps(message, pickle.HIGHEST_PROTOCOL)  # no descriptor around it
+        assert conn.recv() == message
+        x = conn.recv()  # a tensor: still a descriptor, on the sender's memory
+        assert torch.equal(x, torch.arange(4.0)) and _C.is_torch_ipc_storage(x)
+        with pytest.raises(torch_ipc.DescriptorError, match="does not unpickle"):
+            conn.recv()  # not the EOFError of a closed peer
+        conn.send("done")
+        ipc_peer.result()
+
+
 # ---------------------------------------------------------------- features over it
 
 
@@ -555,3 +581,30 @@ def test_an_end_pickled_for_a_process_it_did_not_start_is_fetched_once():
         assert _C.stats()["fd_served"] == served + 1
         assert second.call(_load_end_and_echo, data).startswith("ReleasedError")
     mine.close()
+
+
+class _PicklesAnotherMessage:
+    """A __reduce__ that pickles a message of its own while the outer one is pickled."""
+
+    def __reduce__(self):
+        from torch_ipc.mp import _reductions
+
+        return (bytes, (_reductions.plain_dumps({"inner": [1, 2]}),))
+
+
+def test_the_kept_plain_pickler_holds_nothing_and_serves_nested_messages():
+    # Note [messages without tensors] in torch_ipc/_serialize.py: picklers are kept between messages.
+    import gc
+    import weakref
+
+    from torch_ipc.mp import _reductions
+
+    held = _Holder([1])
+    gone = weakref.ref(held)
+    assert _reductions.plain_dumps(held) is not None
+    del held
+    gc.collect()
+    assert gone() is None  # the pickler's memo let it go
+    outer = pickle.loads(_reductions.plain_dumps([_PicklesAnotherMessage(), "after"]))
+    assert pickle.loads(outer[0]) == {"inner": [1, 2]} and outer[1] == "after"
+    assert _reductions.plain_dumps({"x": 1}) == pickle.dumps({"x": 1})  # the kept one still right after that

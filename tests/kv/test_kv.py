@@ -226,6 +226,27 @@ def test_create_errors():
 # ----------------------------------------------------------------------------- ownership
 
 
+def test_an_id_listed_twice_is_found_in_a_narrow_and_a_wide_span():
+    # Note [repeated ids] in csrc/features/kv/block_allocator.cpp: a bitmap over a narrow span, a sort past it.
+    with SharedKVPool(4096, (1,), torch.int8) as p:
+        ids = p.allocate(4096)
+        narrow, wide = ids[10:300], [ids[0], ids[4000], ids[2000]]
+        for listed in (narrow + [narrow[7]], [narrow[3]] + narrow, wide + [wide[1]], [wide[2], *wide]):
+            with pytest.raises(ValueError, match="listed twice"):
+                p.free(listed)
+            with pytest.raises(ValueError, match="listed twice"):
+                p.send(listed, _Discard())
+        assert p.free_blocks == 0  # nothing half done
+        p.free(narrow)
+        p.free(wide)
+        assert p.free_blocks == len(narrow) + len(wide)
+
+
+class _Discard:
+    def send(self, message):
+        raise AssertionError("a hand-over that lists an id twice is refused before it is sent")
+
+
 def test_allocate_free_and_errors(pool, ipc_peer):
     a = pool.allocate(5)
     assert len(set(a)) == 5 and pool.free_blocks == 11

@@ -49,7 +49,6 @@ What a message exported is tied to the connection that sends it (Note
 """
 
 import contextlib
-import io
 import multiprocessing.process
 import pickle
 import threading
@@ -117,46 +116,21 @@ def _counted(dumps):
 # every message: 2.3 us of a 64-byte object's 2.6 on the 2-core machine, paid
 # twice per round trip, as much as the round trip of the bytes themselves on
 # torch_ipc's rings. A message that meets none of those reducers and no
-# tensor or storage pickles to the same bytes with a plain pickler (0.75 us):
-# _PlainPickler stops (_NeedsReducer) at the first object whose type has a
-# reducer in ForkingPickler's registry as it is now, or that is a tensor or
-# a storage of any class, and the message then takes the full path. The
-# pickler asks reducer_override about every object except the builtins it
-# pickles itself (None, bool, int, float, str, bytes, and exact dict, list,
-# tuple, set, frozenset), which ForkingPickler pickles the same way. The
-# cost of stopping: a __reduce__ met before the first tensor runs twice.
-_TENSOR_LIKE = (torch.Tensor, torch.UntypedStorage, torch.storage.TypedStorage)
-
-
-class _NeedsReducer(Exception):
-    pass
-
-
-class _PlainPickler(pickle.Pickler):
-    def reducer_override(self, obj):
-        if type(obj) in ForkingPickler._extra_reducers or isinstance(obj, _TENSOR_LIKE):
-            raise _NeedsReducer
-        return NotImplemented
+# tensor or storage pickles to the same bytes with a plain pickler (0.2 us,
+# reused by the thread): _serialize.plain_dumps, Note [messages without
+# tensors] in _serialize.py, whose rule decides for every torch_ipc channel.
 
 
 def plain_dumps(obj, protocol=None) -> Optional[bytes]:
     """``obj`` pickled as ForkingPickler would, if it needs none of its
     reducers and holds no tensor; None otherwise (Note [objects without a reducer])."""
-    buf = io.BytesIO()
-    try:
-        _PlainPickler(buf, protocol).dump(obj)
-    except _NeedsReducer:
-        return None
-    return buf.getvalue()
+    return _serialize.plain_dumps(obj, protocol)
 
 
 def _dumps(cls, obj, protocol=None):
-    plain = plain_dumps(obj, protocol)  # Note [objects without a reducer]
-    if plain is not None:
-        return memoryview(plain)
-    parts = _serialize.split(obj, protocol=protocol)  # without tensors: as multiprocessing pickles it
-    if not parts[0]:  # pickled exactly as multiprocessing would, already
-        return _serialize.plain_pickle(parts[2])
+    plain, parts = _serialize.message(obj, protocol=protocol)  # without tensors: as multiprocessing pickles it
+    if parts is None:
+        return plain
     sent = _serialize.export_object(obj, parts)
     data = pickle.dumps(_Message(sent.data), pickle.HIGHEST_PROTOCOL)
     if sent.live:

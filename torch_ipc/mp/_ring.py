@@ -134,7 +134,12 @@ class RingConnection:
         """Pickle ``obj`` (ForkingPickler: tensors through torch_ipc when its
         reductions are on) and send it."""
         self._check(self._writable, "write-only")
-        data = _dumps(obj)
+        data = _reductions.plain_dumps(obj)  # Note [objects without a reducer] in _reductions.py
+        if data is not None:  # as ForkingPickler.dumps would make it, reductions on or off; nothing exported
+            with self._send_lock:
+                self._channel.send_bytes(data)
+            return
+        data = ForkingPickler.dumps(obj)
         _channels.sending(self, data, self._send_locked)  # Note [unread messages] in _channels.py
 
     def recv(self) -> Any:
@@ -186,16 +191,6 @@ class RingConnection:
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._channel.after_fork()
-
-
-def _dumps(obj: Any) -> Any:
-    """``ForkingPickler.dumps(obj)``, without its cost for a message that needs
-    none of its reducers (Note [objects without a reducer] in _reductions.py)."""
-    if not _reductions.reductions_on():  # when on, ForkingPickler.dumps tries the plain pickler itself
-        plain = _reductions.plain_dumps(obj)
-        if plain is not None:
-            return plain
-    return ForkingPickler.dumps(obj)
 
 
 def _slice(buf: Any, offset: int, size: Optional[int]) -> memoryview:

@@ -1,6 +1,7 @@
 """Listener/Client over multiprocessing.connection, carrying tensors zero-copy.
 
-Every message is one descriptor (see torch_ipc.dumps). An authkey is always
+A message that holds tensors is one descriptor (see torch_ipc.dumps); one
+without is its pickle (Note [pickles beside descriptors]). An authkey is always
 required. Each side learns the other's process (pid and start time) after
 authentication, so that what one side sent and the other never loaded is given back when the peer
 closes the connection or dies (Note [connection lifetime]).
@@ -41,6 +42,20 @@ _open_connections: "weakref.WeakSet[Connection]" = weakref.WeakSet()
 _orphans: List[Tuple[_process.ProcessId, List[_C.Export]]] = []  # (peer, exports it may still load)
 _open_lock = threading.RLock()  # RLock: Connection.__del__ may run inside a locked region
 _PRUNE_EVERY = 64  # sent exports between two prunes of the dead ones
+
+# Note [pickles beside descriptors]
+# A message that holds no tensor travels as its pickle alone (Note [messages
+# without tensors] in _serialize.py): there is nothing to export, so neither
+# side builds or parses a descriptor, and the round trip of a small object
+# costs what torch_ipc.Pipe's does. The receiver tells the two forms apart by
+# the first byte: a pickle of protocol 2 or more starts with PROTO (0x80), a
+# descriptor with its magic ("TIPC"); anything else is a descriptor that
+# loads() refuses. Both forms are unpickled in full only because the peer
+# proved the authkey first (Note [weights_only] in _weights_only.py): a
+# pickle gives the sender no power that a descriptor's payload did not. An
+# end of an older torch_ipc (descriptors only) refuses these pickles with a
+# DescriptorError: both ends must run the same torch_ipc.
+_PICKLE_START = _serialize.PICKLE_START
 
 
 def _live(exports: List[_C.Export]) -> List[_C.Export]:
@@ -102,8 +117,14 @@ class Connection(Closeable):
         send: waiting for room under ``max_bytes_in_flight`` and writing to a
         peer that does not read. Past it, :class:`TimeoutError`; the message
         was not sent, or (written in part) the connection is closed."""
+        plain, parts = _serialize.message(obj)
+        if parts is None and timeout is None:  # no tensor: the pickle alone (Note [pickles beside descriptors])
+            self._conn.send_bytes(plain)
+            return
         deadline = _flow.deadline_of(timeout)
-        parts = _serialize.split(obj)
+        if parts is None:
+            self._send_by(plain, deadline)
+            return
         nbytes = _flow.storage_bytes(parts[0])
         self._wait_for_room(nbytes, deadline)
         sent = _serialize.export_object(obj, parts)
@@ -160,7 +181,10 @@ class Connection(Closeable):
     def recv(self) -> Any:
         """Receive one message and rebuild it on the sender's memory."""
         # authenticated by its authkey: full pickle (Note [weights_only] in _weights_only.py)
-        return _serialize.loads(self._conn.recv_bytes(), weights_only=False)
+        data = self._conn.recv_bytes()
+        if data[:1] == _PICKLE_START:  # Note [pickles beside descriptors]
+            return _serialize.unpickle_message(data)
+        return _serialize.loads(data, weights_only=False)
 
     def send_bytes(self, buf: Any, offset: int = 0, size: Optional[int] = None) -> None:
         """Send raw bytes, as ``multiprocessing.connection.Connection.send_bytes``."""
