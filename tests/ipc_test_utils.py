@@ -321,7 +321,18 @@ def digest_held(key: str) -> str:
 
 
 def gpu_cycles_per_second() -> float:
-    """How many cycles torch.cuda._sleep spins per second on this GPU (measured)."""
+    """How many cycles torch.cuda._sleep spins per second on this GPU (measured
+    once per device and process: a measurement spins ~30 ms and synchronizes)."""
+    device = torch.cuda.current_device()
+    if device not in _CYCLES_PER_SECOND:
+        _CYCLES_PER_SECOND[device] = _measure_gpu_cycles_per_second()
+    return _CYCLES_PER_SECOND[device]
+
+
+_CYCLES_PER_SECOND: Dict[int, float] = {}
+
+
+def _measure_gpu_cycles_per_second() -> float:
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
