@@ -64,8 +64,11 @@ def test_sweep_at_fd_limit_keeps_live_producers_files():
         files = u.shm_files_of(producer.pid)
         assert files, "the producer made no /dev/shm file"
         result = run_in_subprocess(_sweep_at_fd_limit)
-        assert result["removed"] == [0] * 5 and result["swept_files"] == 0, result
-        assert u.shm_files_of(producer.pid) == files, "a sweep at its fd limit removed a live producer's files"
+        # What the sweeps removed is not checked by count: tests running beside
+        # this one leave files of processes that really died, which a sweep may
+        # remove (a pid found dead needs no fd). The live producer's must stay.
+        assert u.shm_files_of(producer.pid) == files, \
+            f"a sweep at its fd limit removed a live producer's files ({result})"
         t = torch_ipc.loads(data)  # a consumer loads afterwards, on the same memory
         producer.call(_write_first, 42.0)
         assert t[0].item() == 42.0 and t[1:].tolist() == list(range(1, 1024))
