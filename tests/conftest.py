@@ -16,8 +16,11 @@ folders use live here, at the top: pytest puts this folder on sys.path, and a
 test that needs another folder's test module imports it by folder
 (``from wire.test_descriptor import seal``).
 """
+import multiprocessing
+import multiprocessing.util
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -47,11 +50,22 @@ _SETTLE_S = 10.0  # xdist workers and their children may still be exiting: their
 
 def _left_in(scratch: str) -> list:
     deadline = time.monotonic() + _SETTLE_S
-    left = sorted(os.listdir(scratch))
+    left = _listed(scratch)
     while left and time.monotonic() < deadline:
         time.sleep(0.2)
-        left = sorted(os.listdir(scratch))
+        left = _listed(scratch)
     return left
+
+
+def _listed(scratch: str) -> list:
+    """What is in `scratch`, less what this process removes as it exits (a
+    serial run's tests ran here): its multiprocessing temp folder, and the
+    test helpers' scratch folders, removed now."""
+    helpers = sys.modules.get("weights_helpers")
+    if helpers is not None:
+        helpers._remove_folders()
+    mine = multiprocessing.process.current_process()._config.get("tempdir")
+    return sorted(e for e in os.listdir(scratch) if os.path.join(scratch, e) != mine)
 
 
 @pytest.hookimpl(trylast=True)
@@ -61,7 +75,12 @@ def pytest_sessionfinish(session, exitstatus):
         return
     left = _left_in(scratch)
     if not left:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if (multiprocessing.process.current_process()._config.get("tempdir") or "").startswith(scratch + os.sep):
+            # multiprocessing removes its own folder as this process exits
+            # (priority -100); the scratch folder goes right after it.
+            multiprocessing.util.Finalize(None, shutil.rmtree, args=(scratch, True), exitpriority=-101)
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:

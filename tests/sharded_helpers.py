@@ -2,6 +2,7 @@
 layouts the sharded-weights tests use, and the functions their child
 processes run."""
 
+import math
 import os
 import time
 from typing import Dict, List
@@ -274,24 +275,33 @@ def group_pull(versions: int, timeout: float):
 
 # ----------------------------------------------------------------------------- DTensor trainers
 
-def _placement(name: str):
+def _placement(name: str, mesh_dims: int = 1):
+    """1-D mesh (tp): columns Shard(0), rows Shard(1), the rest Replicate.
+    2-D mesh (dp, tp), FSDP x TP as trainers lay it out: the tp dim as on a
+    1-D mesh, the dp dim shards the other dim (no strided shard); embed is
+    replicated over dp (HSDP-like: published by the dp=0 ranks), norm over
+    both (published by rank (0, 0) alone)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    return [Shard(0)] if name in COLUMN else [Shard(1)] if name in ROW else [Replicate()]
+    if mesh_dims == 1:
+        return [Shard(0)] if name in COLUMN else [Shard(1)] if name in ROW else [Replicate()]
+    if name == "embed":
+        return [Replicate(), Shard(0)]
+    return [Shard(1), Shard(0)] if name in COLUMN else [Shard(0), Shard(1)] if name in ROW else [Replicate()] * 2
 
 
-def dtensor_trainer_serve(url: str, address, authkey: bytes, rank: int, world: int, engines: int) -> int:
-    """A TP trainer rank whose weights are DTensors on a CPU mesh over gloo."""
+def dtensor_trainer_serve(url: str, address, authkey: bytes, rank: int, mesh_shape: tuple, engines: int) -> int:
+    """A trainer rank whose weights are DTensors on a CPU mesh of `mesh_shape` over gloo."""
     from distributed_helpers import init_group
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
     from torch_ipc.weights import ShardedPublisher
 
-    init_group(url, rank, world)
-    mesh = init_device_mesh("cpu", (world,))
+    init_group(url, rank, math.prod(mesh_shape))
+    mesh = init_device_mesh("cpu", tuple(mesh_shape))
     full = full_model(1)
-    dtensors = {n: distribute_tensor(t, mesh, _placement(n)) for n, t in full.items()}
+    dtensors = {n: distribute_tensor(t, mesh, _placement(n, mesh.ndim)) for n, t in full.items()}
     pub = ShardedPublisher(dtensors, rank=rank)
     HELD.update(pub=pub, dtensors=dtensors, mesh=mesh, conns=[])
     return _attach_and_publish(pub, address, authkey, engines)
@@ -303,7 +313,7 @@ def dtensor_trainer_publish(last: int) -> int:
     pub, dtensors, mesh = HELD["pub"], HELD["dtensors"], HELD["mesh"]
     while pub.version < last:
         for name, t in full_model(pub.version + 1).items():
-            dtensors[name].to_local().copy_(distribute_tensor(t, mesh, _placement(name)).to_local())
+            dtensors[name].to_local().copy_(distribute_tensor(t, mesh, _placement(name, mesh.ndim)).to_local())
         pub.publish()
     return pub.version
 

@@ -2,6 +2,7 @@
 trainer ranks publish their shards, engine ranks of another tensor-parallel
 layout pull exactly their slices, bit for bit, never mixing versions."""
 
+import math
 import signal
 
 import distributed_helpers as dh
@@ -265,27 +266,31 @@ def test_a_dead_engine_rank_fails_the_next_send_in_bounded_time_over_nccl():
         assert "form a new one" in error[2] and error[3] < timeout + 5, error
 
 
-def test_dtensor_trainer_ranks_on_a_cpu_mesh_to_tp_engines():
-    """Two trainer ranks hold the model as DTensors (Shard(0) columns, Shard(1)
-    rows, Replicate norm published by rank 0 only) on init_device_mesh("cpu",
-    (2,)) over gloo; three TP=3 engine ranks pull them (uneven cuts)."""
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["tp2", "dp2xtp2"])
+def test_dtensor_trainer_ranks_on_a_cpu_mesh_to_tp_engines(mesh_shape):
+    """Trainer ranks hold the model as DTensors on init_device_mesh("cpu",
+    mesh_shape) over gloo; three TP=3 engine ranks pull them (uneven cuts).
+    tp2: Shard(0) columns, Shard(1) rows, a Replicate norm published by rank
+    0 only. dp2xtp2 (FSDP x TP, sharded_helpers._placement): every weight cut
+    on both dims over four ranks, embed replicated over dp, norm over both."""
+    trainers = math.prod(mesh_shape)
     url, key = dh.group_url(), b"d" * 16
-    addresses = [wh.listener_address()[0] for _ in range(2)]
+    addresses = [wh.listener_address()[0] for _ in range(trainers)]
     with PeerGroup(timeout=TIMEOUT) as group:
-        t_peers = [group.get(f"trainer{i}") for i in range(2)]
+        t_peers = [group.get(f"trainer{i}") for i in range(trainers)]
         e_peers = [group.get(f"engine{j}") for j in range(3)]
         for i, peer in enumerate(t_peers):
-            peer.start_call(sh.dtensor_trainer_serve, url, addresses[i], key, i, 2, 3)
+            peer.start_call(sh.dtensor_trainer_serve, url, addresses[i], key, i, mesh_shape, 3)
         for j, peer in enumerate(e_peers):
             peer.start_call(sh.engine_attach, addresses, key, j, 3)
-        assert [p.result() for p in t_peers] == [1, 1]
+        assert [p.result() for p in t_peers] == [1] * trainers
         for peer in e_peers:
             peer.result()
         for peer in t_peers:
             peer.start_call(sh.dtensor_trainer_publish, 3)
         for peer in e_peers:
             assert peer.call(sh.engine_pull_until, 3)[-1] == 3
-        assert [p.result() for p in t_peers] == [3, 3]
+        assert [p.result() for p in t_peers] == [3] * trainers
         for peer in e_peers:
             peer.call(sh.engine_close)
         for peer in t_peers:
