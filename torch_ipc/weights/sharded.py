@@ -46,10 +46,9 @@ plan, so the k-th send of a pair meets the k-th receive: the intersections
 of a pair, in plan order, packed into as few buckets of at most
 ``bucket_bytes`` (256 MiB by default) as that order allows, each piece
 256-byte aligned in its bucket's staging (a piece larger than a bucket is
-cut into row ranges first). A bucket of one piece is sent from the shard
-itself (Note [remote sends from the live shards]) and received into the
-engine tensor in place when each side is contiguous (and of the wire's
-dtype); every other bucket is packed into a
+cut into row ranges first). A bucket of one piece is sent from the
+snapshot and received into the engine tensor in place when each side is
+contiguous (and of the wire's dtype); every other bucket is packed into a
 staging buffer by one BatchedCopy and unpacked by one (with the dtype
 conversion the engine asks for). Staging: two buckets per peer, per side.
 Why pack: NCCL costs about 30 us per operation of a pair whatever its size;
@@ -64,19 +63,6 @@ bucket_bytes, and towards the end half of what is left (no less than the
 first): on a 1.5 GB pair of 256 MiB buckets, 12 operations whose first and
 last are ~22 MiB, instead of 7 whose first and last are ~250 MiB
 (benchmarks/sharded_bench.py --bucket-mib and --ramp measure both).
-
-Note [remote sends from the live shards]
-A version's remote sends read the trainer's own shards, not the snapshot
-that publish() fills for this node's engine ranks, where every shard's dtype
-is the one published (no ``dtype=`` conversion): publish() returns only once
-every transfer is done (Note [a dead engine rank]), so the shards cannot
-change under the sends, and the sends need not wait for the snapshot copy.
-On CUDA that copy runs on a side stream that starts after the work queued so
-far; the sends (their packing copies and NCCL's kernels) queue on the
-current stream beside it, and the current stream waits for the side stream
-before publish() returns, so later writes to the shards come after the
-copy. Before, the sends queued behind the copy of the whole snapshot (~1 ms
-of a 6.5 ms version of 1.47 GiB on two H100s).
 
 Note [a dead engine rank]
 A version is one collective of every trainer and engine rank: the trainers'
@@ -144,10 +130,8 @@ class ShardedPublisher(Closing):
             held = [type(h)(h.name, dtype, h.global_shape, h.box) for h in held]
         self.rank = int(rank)
         self._held = held
-        self._live = tensors  # the trainer's own shards (Note [remote sends from the live shards])
         self._publisher = Publisher(tensors, dtype=dtype, max_subscribers=max_subscribers, timeout=timeout)
         self._sender: Optional[Sender] = None
-        self._side: Optional[torch.cuda.Stream] = None  # the snapshot copy's stream while sends run
 
     @property
     def version(self) -> int:
@@ -172,10 +156,6 @@ class ShardedPublisher(Closing):
         transport = _dist.transport_for(transport, group)
         pub = self._publisher
         views = {e.name: typed_view(pub._buffer, e.offset, e.dtype, e.numel).view(e.shape) for e in pub.layout.entries}
-        if all(self._live[h.name].dtype == h.dtype for h in self._held):
-            views = {h.name: self._live[h.name] for h in self._held}
-            device = next(iter(views.values())).device
-            self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._sender = None
         self._sender = Sender(transport, trainers, engines, self._held, views, int(bucket_bytes))
         self._send_timeout = float(timeout)
@@ -183,29 +163,14 @@ class ShardedPublisher(Closing):
     def publish(self) -> int:
         """Publish the current values as the next version (here, then to
         remote engine ranks); returns its number."""
-        if self._sender is None:
-            return self._publisher.publish()
-        side = self._side
-        if side is None:
-            version = self._publisher.publish()
-            self._send(version)
-            return version
-        current = torch.cuda.current_stream(side.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            version = self._publisher.publish()
-        try:
-            self._send(version)
-        finally:
-            current.wait_stream(side)
+        version = self._publisher.publish()
+        if self._sender is not None:
+            try:
+                self._sender.send(version, self._send_timeout)
+            except Exception as e:
+                self._sender = None
+                raise send_failed(version, "sending it to the remote engine ranks", "send_to", e) from e
         return version
-
-    def _send(self, version: int) -> None:
-        try:
-            self._sender.send(version, self._send_timeout)
-        except Exception as e:
-            self._sender = None
-            raise send_failed(version, "sending it to the remote engine ranks", "send_to", e) from e
 
     def close(self) -> None:
         self._sender = None
