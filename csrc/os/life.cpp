@@ -174,6 +174,8 @@ int life_file_error() {
 LifeCheck check_life_file(const ProcessId& p) { return check(p.life, &p); }
 LifeCheck check_life_key(uint32_t key) { return check(key, nullptr); }
 
+bool life_key_alive(uint32_t key) { return check_life_key(key).life != Life::Dead; }
+
 void unlink_life_file() noexcept {
   std::lock_guard<std::mutex> lock(own().mu);
   if (own().file) own().file->unlink();

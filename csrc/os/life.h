@@ -46,6 +46,8 @@ int life_file_error();
 LifeCheck check_life_file(const ProcessId& p);
 // Whether the holder of `key` lives (Note [life files]: no identity to compare).
 LifeCheck check_life_key(uint32_t key);
+// Not proven dead (Note [unknown is not dead] in sweep.cpp): check_life_key(key) is not Dead.
+bool life_key_alive(uint32_t key);
 
 // Remove this process's life file (at exit, when it holds nothing); its lock
 // stays until the process ends.

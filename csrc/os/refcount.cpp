@@ -54,14 +54,11 @@ constexpr uint32_t kDeliveryBit = 0x80000000u;
 // The answers of the HolderLivenessCycle of this thread, if one is open.
 thread_local std::unordered_map<uint32_t, bool>* cycle_answers = nullptr;
 
-// Not proven dead (Note [unknown is not dead] in sweep.cpp), by its life file.
-bool key_alive(uint32_t key) { return check_life_key(key).life != Life::Dead; }
-
 bool holder_alive(uint64_t w) {
   const uint32_t key = holder_key(w) & ~kDeliveryBit;
-  if (cycle_answers == nullptr) return key_alive(key);
+  if (cycle_answers == nullptr) return life_key_alive(key);
   auto [it, inserted] = cycle_answers->emplace(key, false);
-  if (inserted) it->second = key_alive(key);
+  if (inserted) it->second = life_key_alive(key);
   return it->second;
 }
 

@@ -41,11 +41,9 @@ void bind_process(py::module_& m) {
         return py::make_tuple(socket_dir(), dir.empty() ? why : std::string());
       },
       "(the socket folder, why it cannot be used or ''): Note [socket folder] in os/socket_dir.h.");
-  m.def(
-      "life_key_alive", [](uint32_t key) { return check_life_key(key).life != Life::Dead; }, py::arg("key"),
-      py::call_guard<py::gil_scoped_release>(),
-      "Whether the process whose life file has `key` lives: False only when its lock is free or the file "
-      "is gone (Note [life files] in os/life.h); key 0 names nobody and is not proven dead.");
+  m.def("life_key_alive", &life_key_alive, py::arg("key"), py::call_guard<py::gil_scoped_release>(),
+        "Whether the process whose life file has `key` lives: False only when its lock is free or the file "
+        "is gone (Note [life files] in os/life.h); key 0 names nobody and is not proven dead.");
   m.def("life_file_error", &life_file_error, "The errno of the last failed attempt to make the life file, else 0.");
 }
 
