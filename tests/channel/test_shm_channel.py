@@ -526,11 +526,11 @@ def test_objects_without_a_reducer_are_pickled_as_forkingpickler_would():
     """Note [objects without a reducer] in torch_ipc/mp/_reductions.py."""
     from multiprocessing.reduction import ForkingPickler
 
-    from torch_ipc.mp import _reductions
+    from torch_ipc import _serialize
 
     plain = [b"x" * 64, {"step": 1, "ids": [1, 2], "name": "a"}, (1.5, None, True), _Holder({"k": [3]})]
     for obj in plain:
-        assert _reductions.plain_dumps(obj) == bytes(ForkingPickler.dumps(obj))
+        assert _serialize.plain_dumps(obj) == bytes(ForkingPickler.dumps(obj))
     mp_end, other = mp.Pipe()
     with mp_end, other:
         class Sub(torch.Tensor):
@@ -539,7 +539,7 @@ def test_objects_without_a_reducer_are_pickled_as_forkingpickler_would():
         full = [torch.zeros(2), torch.nn.Parameter(torch.zeros(1)), torch.zeros(2).as_subclass(Sub),
                 torch.zeros(2).untyped_storage(), [1, {"a": torch.zeros(1)}], _Holder(torch.zeros(1)), [mp_end]]
         for obj in full:
-            assert _reductions.plain_dumps(obj) is None, obj
+            assert _serialize.plain_dumps(obj) is None, obj
     a, b = torch_ipc.Pipe()
     with a, b:
         for obj in plain[:3]:
@@ -587,9 +587,9 @@ class _PicklesAnotherMessage:
     """A __reduce__ that pickles a message of its own while the outer one is pickled."""
 
     def __reduce__(self):
-        from torch_ipc.mp import _reductions
+        from torch_ipc import _serialize
 
-        return (bytes, (_reductions.plain_dumps({"inner": [1, 2]}),))
+        return (bytes, (_serialize.plain_dumps({"inner": [1, 2]}),))
 
 
 def test_the_kept_plain_pickler_holds_nothing_and_serves_nested_messages():
@@ -597,14 +597,14 @@ def test_the_kept_plain_pickler_holds_nothing_and_serves_nested_messages():
     import gc
     import weakref
 
-    from torch_ipc.mp import _reductions
+    from torch_ipc import _serialize
 
     held = _Holder([1])
     gone = weakref.ref(held)
-    assert _reductions.plain_dumps(held) is not None
+    assert _serialize.plain_dumps(held) is not None
     del held
     gc.collect()
     assert gone() is None  # the pickler's memo let it go
-    outer = pickle.loads(_reductions.plain_dumps([_PicklesAnotherMessage(), "after"]))
+    outer = pickle.loads(_serialize.plain_dumps([_PicklesAnotherMessage(), "after"]))
     assert pickle.loads(outer[0]) == {"inner": [1, 2]} and outer[1] == "after"
-    assert _reductions.plain_dumps({"x": 1}) == pickle.dumps({"x": 1})  # the kept one still right after that
+    assert _serialize.plain_dumps({"x": 1}) == pickle.dumps({"x": 1})  # the kept one still right after that

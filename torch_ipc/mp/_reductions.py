@@ -121,12 +121,6 @@ def _counted(dumps):
 # tensors] in _serialize.py, whose rule decides for every torch_ipc channel.
 
 
-def plain_dumps(obj, protocol=None) -> Optional[bytes]:
-    """``obj`` pickled as ForkingPickler would, if it needs none of its
-    reducers and holds no tensor; None otherwise (Note [objects without a reducer])."""
-    return _serialize.plain_dumps(obj, protocol)
-
-
 def _dumps(cls, obj, protocol=None):
     plain, parts = _serialize.message(obj, protocol=protocol)  # without tensors: as multiprocessing pickles it
     if parts is None:

@@ -41,8 +41,8 @@ from multiprocessing import context, reduction
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional, Tuple
 
-from .. import _C
-from . import _channels, _reductions
+from .. import _C, _serialize
+from . import _channels
 
 __all__ = ["Pipe", "RingConnection", "RING_BYTES"]
 
@@ -134,7 +134,7 @@ class RingConnection:
         """Pickle ``obj`` (ForkingPickler: tensors through torch_ipc when its
         reductions are on) and send it."""
         self._check(self._writable, "write-only")
-        data = _reductions.plain_dumps(obj)  # Note [objects without a reducer] in _reductions.py
+        data = _serialize.plain_dumps(obj)  # Note [objects without a reducer] in _reductions.py
         if data is not None:  # as ForkingPickler.dumps would make it, reductions on or off; nothing exported
             with self._send_lock:
                 self._channel.send_bytes(data)

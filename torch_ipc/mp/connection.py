@@ -55,7 +55,6 @@ _PRUNE_EVERY = 64  # sent exports between two prunes of the dead ones
 # pickle gives the sender no power that a descriptor's payload did not. An
 # end of an older torch_ipc (descriptors only) refuses these pickles with a
 # DescriptorError: both ends must run the same torch_ipc.
-_PICKLE_START = _serialize.PICKLE_START
 
 
 def _live(exports: List[_C.Export]) -> List[_C.Export]:
@@ -182,7 +181,7 @@ class Connection(Closeable):
         """Receive one message and rebuild it on the sender's memory."""
         # authenticated by its authkey: full pickle (Note [weights_only] in _weights_only.py)
         data = self._conn.recv_bytes()
-        if data[:1] == _PICKLE_START:  # Note [pickles beside descriptors]
+        if data[:1] == _serialize.PICKLE_START:  # Note [pickles beside descriptors]
             return _serialize.unpickle_message(data)
         return _serialize.loads(data, weights_only=False)
 
