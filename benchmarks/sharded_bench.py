@@ -312,6 +312,7 @@ def two_nodes_rank(cfg, rank, out):
             dist.barrier()
             dist.send(raw, 1)
             sync(device)
+        _profiled(cfg, rank, device, pub.publish)
         pub.close()
     else:
         model = engine_model(cfg, 0, 1, device)
@@ -324,9 +325,27 @@ def two_nodes_rank(cfg, rank, out):
             times["sharded"].append(_timed(sub.pull, device))
             dist.barrier()
             times["raw"].append(_timed(lambda: dist.recv(raw, 0), device))
+        _profiled(cfg, rank, device, sub.pull)
         out.put({k: statistics.median(v) for k, v in times.items()} | {"bytes": nbytes,
                                                                         "ops": sum(map(len, sub._receiver.plans))})
     dist.destroy_process_group()
+
+
+def _profiled(cfg, rank, device, fn):
+    """--profile DIR: one more version under torch.profiler, its trace in DIR."""
+    import torch.distributed as dist
+
+    if not cfg.get("profile"):
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        dist.barrier()
+        fn()
+        sync(device)
+    name = f"two_nodes_{cfg['bucket_bytes'] >> 20}mib_ramp{cfg['ramp']}_rank{rank}.json"
+    prof.export_chrome_trace(os.path.join(cfg["profile"], name))
 
 
 def run_two_nodes(cfg):
@@ -356,12 +375,13 @@ def main():
                         help="one node: TORCH_IPC_PEER_COPY values to measure, e.g. engine,kernel")
     parser.add_argument("--rows", default="tp2->tp1,tp1->tp2,two-nodes", help="rows to run")
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--profile", help="two nodes: write a torch.profiler trace of one more version per rank here")
     args = parser.parse_args()
     quick = args.quick
     cfg = {"device": "cpu" if quick else args.device,
            "layers": args.layers or (2 if quick else 15), "hidden": args.hidden or (128 if quick else 2048),
            "ffn": args.ffn or (352 if quick else 5632), "rounds": args.rounds or (3 if quick else 10),
-           "timeout": args.timeout}
+           "timeout": args.timeout, "profile": args.profile}
     cfg["dtype"] = torch.bfloat16 if cfg["device"] == "cuda" else torch.float32
     size = sum(a * b for a, b in model_shapes(cfg).values()) * (2 if cfg["device"] == "cuda" else 4)
     print(f"model: {len(model_shapes(cfg))} tensors, {size / 2**20:.0f} MiB, {cfg['dtype']}, {cfg['device']}",
