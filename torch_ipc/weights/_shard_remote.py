@@ -232,8 +232,8 @@ class Sender:
         transfer done within `timeout` seconds, else TimeoutError (Note [a dead
         engine rank] in sharded.py)."""
         waits = _Waits(self.transport, timeout, version)
-        header_ops = [("send", torch.tensor([MAGIC, version, len(plan)], dtype=torch.int64).to(
-            self.transport.control_device), e) for plan, e in zip(self.plans, self.engines)]
+        header_ops = [("send", _dist.to_control(torch.tensor([MAGIC, version, len(plan)], dtype=torch.int64),
+                                                self.transport), e) for plan, e in zip(self.plans, self.engines)]
         waits.wait(_post(self.transport, header_ops), header_ops, ordered=False)  # NCCL: the buckets queue behind
 
         def post(r: int) -> Tuple[List[Any], List[_dist.P2P]]:
