@@ -170,16 +170,16 @@ def engine_close() -> None:
 # ----------------------------------------------------------------------------- across nodes
 
 def remote_rank(transport, role: str, index: int, trainers, engines, layout: str, versions: int, dtype=torch.float32,
-                bucket_bytes: int = 512, device: str = "cpu", pause_s: float = 0.0):
+                bucket_bytes: int = 512, device: str = "cpu", pause_s: float = 0.0, wire_dtype=None):
     """One rank of the remote protocol (any transport): a trainer publishes
     versions 1..`versions` (sleeping `pause_s` x its index before each: each
-    trainer on its own schedule); an engine pulls each and checks it bit for
-    bit (a mixed version would not be)."""
+    trainer on its own schedule), in `wire_dtype` when given; an engine
+    pulls each and checks it bit for bit (a mixed version would not be)."""
     from torch_ipc.weights import ShardedPublisher, ShardedSubscriber
 
     if role == "trainer":
         shards = _on(trainer_shards(full_model(0), layout, index, len(trainers)), device)
-        pub = ShardedPublisher(shards, rank=index)
+        pub = ShardedPublisher(shards, rank=index, dtype=wire_dtype)
         pub.send_to(trainers=trainers, engines=engines, transport=transport, bucket_bytes=bucket_bytes)
         for v in range(1, versions + 1):
             _set_version(shards, layout, index, len(trainers), v)
@@ -192,7 +192,10 @@ def remote_rank(transport, role: str, index: int, trainers, engines, layout: str
                                   transport=transport)
     for v in range(1, versions + 1):
         assert sub.pull() == v
-        want = engine_expected(full_model(v), index, len(engines), dtype)
+        full = full_model(v)
+        if wire_dtype is not None:
+            full = {k: t.to(wire_dtype) for k, t in full.items()}
+        want = engine_expected(full, index, len(engines), dtype)
         bad = mismatched(model, want)
         assert not bad, f"engine {index}, version {v}: {bad}"
     in_place = sum(d is not None for plan in sub._receiver.direct for d in plan)

@@ -117,6 +117,25 @@ def test_remote_sharded_pull_over_the_in_memory_transport(trainers, engines, lay
         assert got <= want + 256 * 64 and got >= want
 
 
+@pytest.mark.parametrize("bucket_bytes", [256, 1 << 20])
+def test_remote_sharded_pull_in_the_publishers_dtype(bucket_bytes):
+    """fp32 trainer shards published as bf16 (``dtype=``): the sender packs
+    from the live fp32 shards, so its packs convert; a lone contiguous piece
+    is never sent in place from an fp32 shard. Every engine rank (fp32 and
+    bf16) gets the bf16 values bit for bit."""
+    hub = th.Hub(4)
+    fns = [lambda i=i: sh.remote_rank(hub.transport(i), "trainer", i, [0, 1], [2, 3], "tp", 3,
+                                      bucket_bytes=bucket_bytes, wire_dtype=torch.bfloat16) for i in range(2)]
+    fns += [lambda j=j: sh.remote_rank(hub.transport(2 + j), "engine", j, [0, 1], [2, 3], "tp", 3,
+                                       torch.bfloat16 if j else torch.float32, wire_dtype=torch.bfloat16)
+            for j in range(2)]
+    results = th.run_ranks(fns)
+    received = [sum(r[0]) for r in results[2:]]
+    for j, got in enumerate(received):  # the bytes of its slices in bf16, the wire's dtype
+        want = sum(t.numel() * 2 for t in sh.engine_expected(sh.full_model(0), j, 2).values())
+        assert want <= got <= want + 256 * 64
+
+
 def test_pieces_of_a_pair_share_buckets_whatever_their_size(monkeypatch):
     """Three pieces of 300 KiB and a small one in buckets of 1 MiB, without
     the ramp: one bucket, one transfer (a piece of 256 KiB or more used to be

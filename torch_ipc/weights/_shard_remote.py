@@ -213,17 +213,22 @@ class Sender:
         self.transport, self.engines = transport, list(engines)
         self.plans = [buckets(list(pair_boxes(w, sources, me)), itemsize, bucket) for w in wants]
         self.ends = _ends(self.plans, itemsize)
-        boxes = {h.name: h.box for h in held}
+        boxes, wire = {h.name: h.box for h in held}, {h.name: h.dtype for h in held}
 
         def source(p: Piece) -> torch.Tensor:
             return views[p.name][relative(p.box, boxes[p.name])]
 
-        # per peer, per bucket: the snapshot's bytes to send in place, or the copies into staging
-        self.direct = [[_as_bytes(source(b[0])) if len(b) == 1 else None for b in plan] for plan in self.plans]
+        def in_place(b: List[Piece]):
+            """The shard's own bytes, when a lone piece can be sent from there."""
+            return _as_bytes(source(b[0])) if len(b) == 1 and views[b[0].name].dtype == wire[b[0].name] else None
+
+        # per peer, per bucket: the live shard's bytes to send in place, or the
+        # copies into staging (Note [sends beside the snapshot] in sharded.py)
+        self.direct = [[in_place(b) for b in plan] for plan in self.plans]
         self.schedule = _Schedule(self.ends, self.direct, next(iter(views.values())).device)
         self.packs = [[None if direct[k] is not None else
                        BatchedCopy([(source(p), _piece_view(self.schedule.buffer(i, k, self.ends[i][k]), p,
-                                                            views[p.name].dtype)) for p in b])
+                                                            wire[p.name])) for p in b])
                        for k, b in enumerate(plan)]
                       for i, (plan, direct) in enumerate(zip(self.plans, self.direct))]
 
