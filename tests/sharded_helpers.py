@@ -185,6 +185,8 @@ def remote_rank(transport, role: str, index: int, trainers, engines, layout: str
             _set_version(shards, layout, index, len(trainers), v)
             time.sleep(pause_s * index)
             pub.publish()
+            bad = snapshot_mismatches(pub)
+            assert not bad, f"trainer {index}, version {v}: the local snapshot differs in {bad}"
         pub.close()
         return versions
     model = engine_model(index, len(engines), dtype, device)
@@ -200,6 +202,17 @@ def remote_rank(transport, role: str, index: int, trainers, engines, layout: str
         assert not bad, f"engine {index}, version {v}: {bad}"
     in_place = sum(d is not None for plan in sub._receiver.direct for d in plan)
     return sub.plan_bytes(), in_place, [len(plan) for plan in sub._receiver.plans]
+
+
+def snapshot_mismatches(pub) -> List[str]:
+    """The names whose local snapshot (what this node's engine ranks pull)
+    differs from the trainer's shards, read on the current stream after
+    publish() (Note [sends beside the snapshot])."""
+    from torch_ipc.weights._layout import typed_view
+
+    p = pub._publisher
+    return [e.name for e, t in zip(p.layout.entries, pub._tensors.values())
+            if not torch.equal(typed_view(p._buffer, e.offset, e.dtype, e.numel).view(t.shape), t.to(e.dtype))]
 
 
 def group_rank(url: str, rank: int, world: int, role: str, index: int, trainers, engines, layout: str,

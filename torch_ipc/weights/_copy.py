@@ -87,9 +87,12 @@ class BatchedCopy:
     GPU). Built once; keeps every tensor alive so the addresses in its
     tables stay valid."""
 
-    def __init__(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], peer_sources: bool = False):
+    def __init__(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], peer_sources: bool = False,
+                 by_engine: bool = False):
+        """``by_engine``: every pair the copy engine can take goes there
+        (Note [sends beside the snapshot] in sharded.py), not only peer ones."""
         self._pairs = [(s if s.shape == d.shape else s.view(d.shape), d) for s, d in pairs if s.numel() > 0]
-        self._peer_sources = peer_sources
+        self._peer_sources, self._by_engine = peer_sources, by_engine
         self._launches: List[Tuple[torch.Tensor, int]] = []
         fallback = []
         groups = {}
@@ -122,6 +125,8 @@ class BatchedCopy:
     def _engine_copy(self, src: torch.Tensor, dst: torch.Tensor):
         """The 2-D copy of a pair read from a peer GPU by the copy engine, or
         None (Note [peer pieces on the copy engine] in _copy_engine.py)."""
+        if self._by_engine and src.is_cuda and src.device == dst.device:
+            return copy_2d(src, dst)
         if not (self._peer_sources and src.is_cuda and dst.is_cuda and src.device != dst.device):
             return None
         return copy_2d(src, dst) if engine_wanted() else None

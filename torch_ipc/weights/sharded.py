@@ -98,7 +98,13 @@ profile of one version to one engine rank (H100 x2) showed the copy, then
 0.4 ms until the header was posted, then 0.75 ms until the engine posted
 its first receive. Now the header is posted first, the engines post their
 receives while the first buckets are packed, and the copy overlaps the
-wire. The live shards cannot change meanwhile: publish() returns once every
+wire. The snapshot copy itself goes to the copy engine (one DMA copy per
+tensor, csrc/cuda/copy_engine.cpp): as a kernel on the side stream its
+thousands of blocks took every SM for its ~1 ms, and the packs and NCCL's
+kernels queued behind them (the same profile, with the side stream: the
+header and the first pack started only as the copy ended). A tensor the
+copy engine cannot take (a dtype conversion, short strided rows) stays with
+the kernel. The live shards cannot change meanwhile: publish() returns once every
 transfer is done, and the current stream waits for the side stream before
 it returns, so the next optimizer step writes after the copy has read. The
 local protocol (Note [weights consistency protocol]) is unchanged: the
@@ -111,7 +117,9 @@ import torch
 
 from .. import _dist
 from .._closing import Closing
+from ._copy import BatchedCopy
 from ._errors import send_failed
+from ._layout import typed_view
 from ._shard_layout import LocalShard, Take, describe_shards, shards_message
 from ._shard_local import LocalShards
 from ._shard_remote import Receiver, Sender
@@ -174,6 +182,11 @@ class ShardedPublisher(Closing):
         self._sender = None
         self._sender = Sender(transport, trainers, engines, self._held, self._tensors, int(bucket_bytes))
         self._send_timeout = float(timeout)
+        pub = self._publisher
+        if pub.device.type == "cuda" and pub._snapshot is not None and "copy_engine" not in pub._snapshot.path:
+            # Note [sends beside the snapshot]: the snapshot copy leaves the SMs to the packs and NCCL
+            pub._snapshot = BatchedCopy([(t, typed_view(pub._buffer, e.offset, e.dtype, e.numel).view(t.shape))
+                                         for e, t in zip(pub.layout.entries, self._tensors.values())], by_engine=True)
 
     def publish(self) -> int:
         """Publish the current values as the next version (here, then to
