@@ -167,16 +167,29 @@ def lost(peer: int, version: int, timeout: Optional[float], error: BaseException
                 f"({type(error).__name__}: {error}): that rank died or the group broke; {REBUILD}")
 
 
-def _run_rounds(schedule: _Schedule, post, finish) -> None:
+class _Rounds:
     """Round r of every peer, IN_FLIGHT rounds in flight: ``post(r)`` starts
-    round r (returns its works), ``finish(r, works)`` waits for them."""
-    pending: List[Tuple[int, List[Any]]] = []
-    for r in range(schedule.count()):
-        if len(pending) == IN_FLIGHT:
-            finish(*pending.pop(0))
-        pending.append((r, post(r)))
-    for r, works in pending:
-        finish(r, works)
+    round r (returns its works), ``finish(r, works)`` waits for them.
+    ``advance(n)`` posts the rounds before n (a caller does other work
+    while they are on the wire), ``drain()`` the rest and waits for all."""
+
+    def __init__(self, schedule: _Schedule, post, finish):
+        self.count, self.post, self.finish = schedule.count(), post, finish
+        self.next = 0
+        self.pending: List[Tuple[int, Any]] = []
+
+    def advance(self, upto: int) -> None:
+        while self.next < min(upto, self.count):
+            if len(self.pending) == IN_FLIGHT:
+                self.finish(*self.pending.pop(0))
+            self.pending.append((self.next, self.post(self.next)))
+            self.next += 1
+
+    def drain(self) -> None:
+        self.advance(self.count)
+        for r, works in self.pending:
+            self.finish(r, works)
+        self.pending = []
 
 
 def _round_buckets(schedule: _Schedule, r: int) -> Iterator[Tuple[int, int]]:
@@ -233,9 +246,16 @@ class Sender:
                       for i, (plan, direct) in enumerate(zip(self.plans, self.direct))]
 
     def send(self, version: int, timeout: float) -> None:
-        """Send `version` (already in the snapshot) to every engine rank; every
-        transfer done within `timeout` seconds, else TimeoutError (Note [a dead
-        engine rank] in sharded.py)."""
+        """Send `version` (the live shards' values) to every engine rank;
+        every transfer done within `timeout` seconds, else TimeoutError (Note
+        [a dead engine rank] in sharded.py)."""
+        self.start(version, timeout)
+        self.finish()
+
+    def start(self, version: int, timeout: float) -> None:
+        """Post the header and the first IN_FLIGHT rounds of `version`;
+        ``finish()`` posts the rest and waits (Note [sends beside the
+        snapshot] in sharded.py: the snapshot is queued in between)."""
         waits = _Waits(self.transport, timeout, version)
         header_ops = [("send", _dist.to_control(torch.tensor([MAGIC, version, len(plan)], dtype=torch.int64),
                                                 self.transport), e) for plan, e in zip(self.plans, self.engines)]
@@ -251,7 +271,15 @@ class Sender:
                 ops.append(("send", data, self.engines[i]))
             return _post(self.transport, ops), ops
 
-        _run_rounds(self.schedule, post, lambda r, posted: waits.wait(*posted))
+        self._waits = waits
+        self._rounds = _Rounds(self.schedule, post, lambda r, posted: waits.wait(*posted))
+        self._rounds.advance(IN_FLIGHT)
+
+    def finish(self) -> None:
+        """Post the remaining rounds of the started version and wait for every transfer."""
+        rounds, waits = self._rounds, self._waits
+        self._rounds = self._waits = None
+        rounds.drain()
         waits.close()
 
 
@@ -348,7 +376,7 @@ class Receiver:
                 if self.unpacks[i][k] is not None:
                     self.unpacks[i][k].run()
 
-        _run_rounds(self.schedule, post, finish)
+        _Rounds(self.schedule, post, finish).drain()
         waits.close()
         self.version = version
         return version

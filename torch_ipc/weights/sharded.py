@@ -98,7 +98,10 @@ profile of one version to one engine rank (H100 x2) showed the copy, then
 0.4 ms until the header was posted, then 0.75 ms until the engine posted
 its first receive. Now the header is posted first, the engines post their
 receives while the first buckets are packed, and the copy overlaps the
-wire. The snapshot copy itself goes to the copy engine (one DMA copy per
+wire. In order: the local protocol waits until no engine rank on this
+node reads the snapshot (a timeout there sends nothing), then the header
+and the first two rounds are posted, then the snapshot copy is queued,
+then the other rounds. The snapshot copy itself goes to the copy engine (one DMA copy per
 tensor, csrc/cuda/copy_engine.cpp): as a kernel on the side stream its
 thousands of blocks took every SM for its ~1 ms, and the packs and NCCL's
 kernels queued behind them (the same profile, with the side stream: the
@@ -111,6 +114,7 @@ local protocol (Note [weights consistency protocol]) is unchanged: the
 side stream is the publisher's current stream during its publish().
 """
 
+import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -199,21 +203,29 @@ class ShardedPublisher(Closing):
             self._send(version)
             return version
         # Note [sends beside the snapshot]
-        current = torch.cuda.current_stream(device)
+        pub, current = self._publisher, torch.cuda.current_stream(device)
         if self._side is None:
             self._side = torch.cuda.Stream(device)
         self._side.wait_stream(current)
-        with torch.cuda.stream(self._side):
-            version = self._publisher.publish()
+        version = pub.version + 1
+
+        def fill() -> None:  # once no local engine rank reads the snapshot
+            with torch.cuda.stream(current):
+                self._send(version, self._sender.start)
+            pub._snapshot.run()
+
         try:
-            self._send(version)
+            with torch.cuda.stream(self._side):
+                pub._publish_direct(time.monotonic() + pub.timeout, fill, version)
+            pub.stats["publishes"] += 1
+            self._send(version, lambda *_: self._sender.finish())
         finally:
             current.wait_stream(self._side)  # the next step's writes come after the snapshot's reads
         return version
 
-    def _send(self, version: int) -> None:
+    def _send(self, version: int, call=None) -> None:
         try:
-            self._sender.send(version, self._send_timeout)
+            (call or self._sender.send)(version, self._send_timeout)
         except Exception as e:
             self._sender = None
             raise send_failed(version, "sending it to the remote engine ranks", "send_to", e) from e
@@ -257,8 +269,6 @@ class ShardedSubscriber(Closing):
     def pull(self, into: Any, *, newer_than: int = 0, timeout: Optional[float] = None) -> int:
         """Copy the newest version of every trainer rank's shard (the same on
         all) newer than ``newer_than`` into ``into``; returns it."""
-        import time
-
         cached = self._pulls.get(id(into))
         if cached is None or cached[0] is not into:
             cached = (into, self._shards.plan(into, self._wants, self._strict))
