@@ -170,23 +170,32 @@ def engine_close() -> None:
 # ----------------------------------------------------------------------------- across nodes
 
 def remote_rank(transport, role: str, index: int, trainers, engines, layout: str, versions: int, dtype=torch.float32,
-                bucket_bytes: int = 512, device: str = "cpu", pause_s: float = 0.0, wire_dtype=None):
+                bucket_bytes: int = 512, device: str = "cpu", pause_s: float = 0.0, wire_dtype=None,
+                local_engine: bool = False):
     """One rank of the remote protocol (any transport): a trainer publishes
     versions 1..`versions` (sleeping `pause_s` x its index before each: each
     trainer on its own schedule), in `wire_dtype` when given; an engine
-    pulls each and checks it bit for bit (a mixed version would not be)."""
+    pulls each and checks it bit for bit (a mixed version would not be).
+    ``local_engine``: an engine rank attaches on the trainer's node too, so
+    the local snapshot is copied and checked after every publish (else it is
+    never copied: Note [no snapshot without local engine ranks])."""
     from torch_ipc.weights import ShardedPublisher, ShardedSubscriber
 
     if role == "trainer":
         shards = _on(trainer_shards(full_model(0), layout, index, len(trainers)), device)
         pub = ShardedPublisher(shards, rank=index, dtype=wire_dtype)
         pub.send_to(trainers=trainers, engines=engines, transport=transport, bucket_bytes=bucket_bytes)
+        if local_engine:  # an engine rank on this node too: the snapshot is copied beside the sends
+            import torch_ipc
+
+            a, b = torch_ipc.Pipe()
+            pub.attach(a)
         for v in range(1, versions + 1):
             _set_version(shards, layout, index, len(trainers), v)
             time.sleep(pause_s * index)
             pub.publish()
             bad = snapshot_mismatches(pub)
-            assert not bad, f"trainer {index}, version {v}: the local snapshot differs in {bad}"
+            assert bool(bad) != local_engine, f"trainer {index}, version {v}: the local snapshot differs in {bad}"
         pub.close()
         return versions
     model = engine_model(index, len(engines), dtype, device)
@@ -217,7 +226,7 @@ def snapshot_mismatches(pub) -> List[str]:
 
 def group_rank(url: str, rank: int, world: int, role: str, index: int, trainers, engines, layout: str,
                versions: int, dtype=torch.float32, backend: str = "gloo", device: str = "cpu",
-               bucket_bytes: int = 1 << 16, pause_s: float = 0.0):
+               bucket_bytes: int = 1 << 16, pause_s: float = 0.0, local_engine: bool = False):
     from distributed_helpers import init_group, leave_group
 
     if device != "cpu":
@@ -225,7 +234,7 @@ def group_rank(url: str, rank: int, world: int, role: str, index: int, trainers,
     init_group(url, rank, world, backend)
     try:
         return remote_rank(None, role, index, trainers, engines, layout, versions, dtype, bucket_bytes, device,
-                           pause_s)
+                           pause_s, local_engine=local_engine)
     finally:
         leave_group()
 

@@ -12,6 +12,7 @@ import torch
 import transport_helpers as th
 import weights_helpers as wh
 
+import torch_ipc
 from torch_ipc.testing import PeerGroup
 from torch_ipc.weights import LocalShard, Take, WeightsMismatchError
 from torch_ipc.weights._shard_layout import Held, chunk_range, describe_shards, sources_of
@@ -122,10 +123,12 @@ def test_remote_sharded_pull_in_the_publishers_dtype(bucket_bytes):
     """fp32 trainer shards published as bf16 (``dtype=``): the sender packs
     from the live fp32 shards, so its packs convert; a lone contiguous piece
     is never sent in place from an fp32 shard. Every engine rank (fp32 and
-    bf16) gets the bf16 values bit for bit."""
+    bf16) gets the bf16 values bit for bit, and (256-byte buckets, with an
+    engine rank on the trainers' node) so does the local snapshot."""
     hub = th.Hub(4)
     fns = [lambda i=i: sh.remote_rank(hub.transport(i), "trainer", i, [0, 1], [2, 3], "tp", 3,
-                                      bucket_bytes=bucket_bytes, wire_dtype=torch.bfloat16) for i in range(2)]
+                                      bucket_bytes=bucket_bytes, wire_dtype=torch.bfloat16,
+                                      local_engine=bucket_bytes == 256) for i in range(2)]
     fns += [lambda j=j: sh.remote_rank(hub.transport(2 + j), "engine", j, [0, 1], [2, 3], "tp", 3,
                                        torch.bfloat16 if j else torch.float32, wire_dtype=torch.bfloat16)
             for j in range(2)]
@@ -343,14 +346,19 @@ def test_one_node_sharded_pull_on_two_gpus(trainers, engines, dtype):
 
 
 @pytest.mark.gpus(2)
-def test_remote_sharded_pull_over_nccl_on_two_gpus():
+@pytest.mark.parametrize("local_engine", [False, True])
+def test_remote_sharded_pull_over_nccl_on_two_gpus(local_engine):
     """A trainer rank on GPU 0 and an engine rank on GPU 1 in one NCCL group
-    (standing for two nodes): batch_isend_irecv of the intersections."""
+    (standing for two nodes): batch_isend_irecv of the intersections. With
+    an engine rank attached on the trainer's node too, the snapshot is copied
+    on the copy engine beside the sends (Note [sends beside the snapshot])
+    and checked after every publish."""
     url = dh.group_url()
     with PeerGroup(timeout=TIMEOUT) as group:
         peers = [group.get(f"rank{r}") for r in range(2)]
         for r, (peer, role) in enumerate(zip(peers, ("trainer", "engine"))):
-            peer.start_call(sh.group_rank, url, r, 2, role, 0, [0], [1], "tp", 3, torch.float32, "nccl", f"cuda:{r}")
+            peer.start_call(sh.group_rank, url, r, 2, role, 0, [0], [1], "tp", 3, torch.float32, "nccl", f"cuda:{r}",
+                            local_engine=local_engine)
         results = [p.result() for p in peers]
         assert results[0] == 3 and sum(results[1][0]) > 0
 
@@ -385,6 +393,39 @@ def test_a_failed_send_is_a_broadcast_error_and_later_versions_stay_local():
     with pytest.raises(BroadcastError, match="published on this node.*peer gone"):
         pubs[0].publish()
     assert pubs[0].publish() == 2 and pubs[0]._sender is None
+
+
+def test_a_trainer_without_local_engine_ranks_copies_no_snapshot_and_labels_it_truly():
+    """Note [no snapshot without local engine ranks]: versions 1-2 only go to
+    the remote engine; an engine rank that attaches on the trainer's node
+    then finds version 0 (the snapshot holds no version yet, and says so), and
+    gets version 3 bit for bit once it is published (the snapshot is copied
+    again, with a local engine rank attached)."""
+    from torch_ipc.weights import ShardedPublisher, ShardedSubscriber
+
+    hub = th.Hub(2)
+    shards = sh.trainer_shards(sh.full_model(0), "tp", 0, 1)
+    pub = ShardedPublisher(shards, rank=0)
+    model = sh.engine_model(0, 1)
+    sub = th.run_ranks([lambda: pub.send_to(trainers=[0], engines=[1], transport=hub.transport(0)),
+                        lambda: ShardedSubscriber.remote(model, trainers=[0], engines=[1],
+                                                         wants=sh.engine_wants(0, 1), transport=hub.transport(1))])[1]
+    for v in (1, 2):
+        sh._set_version(shards, "tp", 0, 1, v)
+        assert pub.publish() == v and sub.pull() == v
+        assert not sh.mismatched(model, sh.engine_expected(sh.full_model(v), 0, 1))
+    assert pub._publisher.stats["publishes"] == 2 and sh.snapshot_mismatches(pub)  # never copied
+    a, b = torch_ipc.Pipe()
+    pub.attach(a)
+    local = ShardedSubscriber([b], wants=sh.engine_wants(0, 1), timeout=5)
+    assert local.latest == 0
+    sh._set_version(shards, "tp", 0, 1, 3)
+    assert pub.publish() == 3 and sub.pull() == 3
+    local_model = sh.engine_model(0, 1)
+    assert local.pull(local_model) == 3
+    assert not sh.mismatched(local_model, sh.engine_expected(sh.full_model(3), 0, 1))
+    local.close()
+    pub.close()
 
 
 def test_an_engine_waits_for_a_started_version_within_its_timeout_only():
