@@ -378,10 +378,15 @@ def _remote_pair(hub, before: int):
 
 
 def test_an_engine_refuses_trainer_ranks_that_send_different_versions():
+    """The engine posts its first rounds' receives before it has the headers
+    (Note [receives posted before the header]); refusing them leaves its
+    tensors untouched: those rounds land in staging, unpacked only after the check."""
     pubs, sub = _remote_pair(th.Hub(3), before=1)
+    assert sub._receiver.early
     assert [p.publish() for p in pubs] == [2, 1]  # sends are buffered on the in-memory transport
     with pytest.raises(ValueError, match="out of step"):
         sub.pull()
+    assert all(not t.any() for t, _ in sub._receiver.plan.parts)
 
 
 def test_a_failed_send_is_a_broadcast_error_and_later_versions_stay_local():
