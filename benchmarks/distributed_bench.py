@@ -47,7 +47,8 @@ memory" are the same raw calls on host tensors: what staging costs.
 
 State dict: --tensors (384) bf16 tensors of --tensor-kib each (4096 KiB:
 1.5 GiB; --quick: 64 KiB). KV block: [2, 32, 16, 8, 128] bf16 (2 MiB;
---quick: [2, 4, 16, 8, 64], 128 KiB), pieces of --staging-mib (64; --quick: 4).
+--quick: [2, 4, 16, 8, 64], 128 KiB), pieces of --staging-mib (default:
+send_blocks' default, 128; --quick: 4).
 """
 from __future__ import annotations
 
@@ -393,6 +394,12 @@ def parse_args(argv=None):
     return args
 
 
+def _default_staging(quick):
+    from torch_ipc.kv.remote import DEFAULT_STAGING_BYTES
+
+    return 4 << 20 if quick else DEFAULT_STAGING_BYTES
+
+
 def config(args):
     return {
         "device": args.device,
@@ -401,7 +408,7 @@ def config(args):
         "tensor_kib": args.tensor_kib or (64 if args.quick else 4096),
         "bucket_bytes": args.bucket_mib << 20,
         "kv_blocks": args.kv_blocks,
-        "staging_bytes": (args.staging_mib or (4 if args.quick else 64)) << 20,
+        "staging_bytes": args.staging_mib << 20 if args.staging_mib else _default_staging(args.quick),
         "iters": args.iters or (5 if args.quick else 10),
         "min_iters": args.min_iters,
         "budget_s": args.budget_s,
