@@ -338,7 +338,23 @@ def kv_side(cfg, dist, rank, out):
         _row(out, f"  kv {n} consecutive blocks", times["kv run"], times["raw"], nbytes)
         if "raw host" in times:
             _row(out, "  raw send/recv, host memory", times["raw host"], None, nbytes)
+    _kv_profiled(cfg, dist, rank, device, calls)
     pool.close()
+
+
+def _kv_profiled(cfg, dist, rank, device, calls):
+    """--profile DIR: each KV call once more under torch.profiler (between
+    the same barriers), a trace per call and rank in DIR (the profiler
+    inflates host time; the device timeline shows when each transfer ran)."""
+    if not cfg.get("profile"):
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, fn in calls.items():
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            _timed(dist, device, fn)
+        prof.export_chrome_trace(os.path.join(cfg["profile"], f"{name.replace(' ', '_')}_rank{rank}.json"))
 
 
 def _raw_point_to_point(cfg, dist, rank, device, nbytes):
@@ -385,6 +401,7 @@ def parse_args(argv=None):
                         help="seconds for the whole run, setup included (default: no limit: --iters rounds)")
     parser.add_argument("--timeout", type=float, default=600, help="kill everything after this many seconds")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--profile", help="write a torch.profiler trace of one more KV call per call and rank here")
     args = parser.parse_args(argv)
     for name in ("tensors", "tensor_kib", "bucket_mib", "kv_blocks", "staging_mib", "iters", "min_iters"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -415,6 +432,7 @@ def config(args):
         "deadline": time.monotonic() + (args.budget_s or args.timeout),
         "timeout": args.timeout,
         "block_shape": [2, 4, 16, 8, 64] if args.quick else [2, 32, 16, 8, 128],
+        "profile": args.profile,
         "url": "file://" + os.path.join(tempfile.mkdtemp(prefix="torch_ipc_dist_bench"), "rendezvous"),
     }
 

@@ -336,14 +336,15 @@ def _kv_rounds(sender, receiver, device: str, backend: str, seed: int) -> None:
         ids, data = sender.call(dh.kv_write, n, seed=seed + i)
         order = _kv_order(ids, kind, seed + i)
         receiver.start_call(dh.kv_recv, 0)
-        sender.call(dh.kv_send, order, 1, meta={"round": i}, staging_bytes=piece * block_bytes)
+        meta = {"round": i, "tokens": list(range(3000 * (i == 2)))}  # round 2: a header of two messages
+        sender.call(dh.kv_send, order, 1, meta=meta, staging_bytes=piece * block_bytes)
         got = receiver.result()
         if i == len(KV_ROUNDS):  # 13 free blocks for 16
             assert got["error"] == "OutOfBlocksError" and len(got["held"]) == 5 + 16 * len(KV_ROUNDS), got
             continue
         row = len(data) // len(ids)
         assert got["bytes"] == b"".join(data[ids.index(b) * row : (ids.index(b) + 1) * row] for b in order), i
-        assert got["meta"] == {"round": i} and len(got["ids"]) == n
+        assert got["meta"] == meta and len(got["ids"]) == n
         if i == 0:  # through staging into the 5 blocks apart, then straight into a run
             assert got["ids"][:5] == held[::2], got["ids"]
 

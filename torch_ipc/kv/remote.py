@@ -232,7 +232,8 @@ def send_blocks(
     :func:`recv_blocks`. ``meta``: any JSON value, travelling along (JSON,
     not pickle: a process group is not authenticated). ``transfer``: give
     the blocks back to this pool after the send (default), else keep them.
-    ``staging_bytes``: the largest piece (two staging buffers of it at most).
+    ``staging_bytes``: the largest piece (two staging buffers of it at most;
+    Note [KV piece size]).
     ``transport``: another :class:`torch_ipc.Transport` instead of
     torch.distributed over ``group`` (Note [cross-node transport]).
     See Note [KV blocks across nodes]."""
