@@ -3,6 +3,7 @@ the weights relay and the KV protocol run unchanged on a second Transport
 (tests/transport_helpers.py, ranks as threads), and counts a peer sends are
 bounded before anything is built from them (Note [counts from a peer])."""
 
+import threading
 import time
 
 import distributed_helpers as dh
@@ -227,3 +228,17 @@ def test_a_refused_kv_transfer_is_drained_and_the_next_one_lands():
     finally:
         for pool in (a, other, b):
             pool.close()
+
+
+def test_a_spinning_finish_keeps_its_deadline_and_returns_once_the_message_is_there():
+    hub = th.Hub(2)
+    into = torch.empty(3, dtype=torch.uint8)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):  # spins past its deadline: the deadline wins
+        _dist.finish(hub.transport(1).recv(into, 0), into, deadline=start + 0.05, poll=True, spin=10.0)
+    assert time.monotonic() - start < 2.0
+    hub = th.Hub(2)  # the receive above stays unmatched on the first
+    threading.Timer(0.05, lambda: hub.transport(0).send(torch.tensor([1, 2, 3], dtype=torch.uint8), 1)).start()
+    # spins, then sleeps until the message came
+    _dist.finish(hub.transport(1).recv(into, 0), into, deadline=time.monotonic() + 20, poll=True, spin=0.01)
+    assert into.tolist() == [1, 2, 3]

@@ -65,8 +65,12 @@ of the same bytes, consecutive ones at 67% (2026-11-26), the posting host
 the limit. Staging (where blocks are gathered or scattered) is two pieces,
 256 MiB, per side. The first gather overlaps the header's round trip; a
 receiver whose blocks are not consecutive scatters the last piece after the
-wire is done (128 MiB at ~2.3 TB/s: ~60 us). Over 400 Gb/s (~50 GB/s) a
-piece takes ~2.7 ms: the host is idle and the copies are ~1% of the time.
+wire is done (128 MiB at ~2.3 TB/s: ~60 us). Pieces are not ramped (a small
+first or last one): the first gather is hidden already, and smaller last
+pieces would cost such a receiver one call and one scatter launch each,
+which its host, barely ahead of the wire at 128 MiB, has no time for. Over
+400 Gb/s (~50 GB/s) a piece takes ~2.7 ms: the host is idle and the copies
+are ~1% of the time.
 """
 
 import bisect
