@@ -350,6 +350,7 @@ def _kv_profiled(cfg, dist, rank, device, calls):
         return
     from torch.profiler import ProfilerActivity, profile
 
+    os.makedirs(cfg["profile"], exist_ok=True)
     for name, fn in calls.items():
         dist.barrier()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
