@@ -435,6 +435,15 @@ def test_nccl_weights_and_kv_blocks_on_two_gpus():
 
 
 @pytest.mark.gpus(2)
+def test_nccl_kv_blocks_of_every_piece_size_and_order_on_two_gpus():
+    """_kv_rounds alone (the test above runs them after the relay's round trip)."""
+    with PeerGroup(timeout=TIMEOUT) as group:
+        sender = group.get("prefill", env={"CUDA_VISIBLE_DEVICES": "0"})
+        receiver = group.get("decode", env={"CUDA_VISIBLE_DEVICES": "1"})
+        _cuda_kv_round_trip(sender, receiver, "nccl", seed=31)
+
+
+@pytest.mark.gpus(2)
 def test_nccl_trainer_closes_after_its_relay_was_killed():
     """A relay killed while it waits for the next version: the trainer's
     Publisher.close() and destroy_process_group() still return."""
