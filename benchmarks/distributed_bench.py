@@ -47,7 +47,8 @@ memory" are the same raw calls on host tensors: what staging costs.
 
 State dict: --tensors (384) bf16 tensors of --tensor-kib each (4096 KiB:
 1.5 GiB; --quick: 64 KiB). KV block: [2, 32, 16, 8, 128] bf16 (2 MiB;
---quick: [2, 4, 16, 8, 64], 128 KiB), pieces of --staging-mib (64; --quick: 4).
+--quick: [2, 4, 16, 8, 64], 128 KiB), pieces of --staging-mib (default:
+send_blocks' default, 128; --quick: 4).
 """
 from __future__ import annotations
 
@@ -337,7 +338,24 @@ def kv_side(cfg, dist, rank, out):
         _row(out, f"  kv {n} consecutive blocks", times["kv run"], times["raw"], nbytes)
         if "raw host" in times:
             _row(out, "  raw send/recv, host memory", times["raw host"], None, nbytes)
+    _kv_profiled(cfg, dist, rank, device, calls)
     pool.close()
+
+
+def _kv_profiled(cfg, dist, rank, device, calls):
+    """--profile DIR: each KV call once more under torch.profiler (between
+    the same barriers), a trace per call and rank in DIR (the profiler
+    inflates host time; the device timeline shows when each transfer ran)."""
+    if not cfg.get("profile"):
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(cfg["profile"], exist_ok=True)
+    for name, fn in calls.items():
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            _timed(dist, device, fn)
+        prof.export_chrome_trace(os.path.join(cfg["profile"], f"{name.replace(' ', '_')}_rank{rank}.json"))
 
 
 def _raw_point_to_point(cfg, dist, rank, device, nbytes):
@@ -384,6 +402,7 @@ def parse_args(argv=None):
                         help="seconds for the whole run, setup included (default: no limit: --iters rounds)")
     parser.add_argument("--timeout", type=float, default=600, help="kill everything after this many seconds")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--profile", help="write a torch.profiler trace of one more KV call per call and rank here")
     args = parser.parse_args(argv)
     for name in ("tensors", "tensor_kib", "bucket_mib", "kv_blocks", "staging_mib", "iters", "min_iters"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -391,6 +410,12 @@ def parse_args(argv=None):
     if args.device == "cpu" and args.backend == "nccl":
         parser.error("nccl moves CUDA tensors only: use --device cuda")
     return args
+
+
+def _default_staging(quick):
+    from torch_ipc.kv.remote import DEFAULT_STAGING_BYTES
+
+    return 4 << 20 if quick else DEFAULT_STAGING_BYTES
 
 
 def config(args):
@@ -401,13 +426,14 @@ def config(args):
         "tensor_kib": args.tensor_kib or (64 if args.quick else 4096),
         "bucket_bytes": args.bucket_mib << 20,
         "kv_blocks": args.kv_blocks,
-        "staging_bytes": (args.staging_mib or (4 if args.quick else 64)) << 20,
+        "staging_bytes": args.staging_mib << 20 if args.staging_mib else _default_staging(args.quick),
         "iters": args.iters or (5 if args.quick else 10),
         "min_iters": args.min_iters,
         "budget_s": args.budget_s,
         "deadline": time.monotonic() + (args.budget_s or args.timeout),
         "timeout": args.timeout,
         "block_shape": [2, 4, 16, 8, 64] if args.quick else [2, 32, 16, 8, 128],
+        "profile": args.profile,
         "url": "file://" + os.path.join(tempfile.mkdtemp(prefix="torch_ipc_dist_bench"), "rendezvous"),
     }
 

@@ -212,8 +212,13 @@ def kv_allocate(n: int) -> List[int]:
     return STATE["pool"].allocate(n)
 
 
-def kv_free(ids: List[int]) -> None:
-    STATE["pool"].free(ids)
+def kv_free(ids: List[int], settle: bool = False) -> None:
+    """Free `ids`; `settle`: a CUDA pool's deferred frees done before returning."""
+    pool = STATE["pool"]
+    pool.free(ids)
+    if settle and pool.device.type == "cuda":
+        torch.cuda.synchronize()
+        pool.reclaim()  # finishes the deferred frees
 
 
 def kv_close() -> None:

@@ -72,7 +72,7 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 import torch
 
 __all__ = ["Transport", "Work", "DistTransport", "transport_for", "MAX_MESSAGE_BYTES", "dtype_from_name",
-           "broadcast_ints", "broadcast_json", "send_json", "recv_json", "finish"]
+           "broadcast_ints", "broadcast_json", "post_json", "send_json", "recv_json", "finish"]
 
 MAX_MESSAGE_BYTES = 64 << 20  # a JSON message longer than this is refused before allocating
 
@@ -139,22 +139,28 @@ def transport_for(transport: Optional[Transport], group: Any) -> Transport:
 
 
 def finish(work: Any, tensor: torch.Tensor, deadline: Optional[float] = None, poll: Optional[bool] = None,
-           max_sleep: float = 1e-3) -> None:
+           max_sleep: float = 1e-3, spin: float = 0.0) -> None:
     """Wait for a control transfer of `tensor` without blocking the current
     stream meanwhile (Note [waiting for a control message]). Only a CUDA
     tensor's is polled (``poll`` decides otherwise: a CUDA tensor staged
     through gloo is not): gloo's point-to-point works report completion only
     from inside wait(). ``deadline`` (time.monotonic()): TimeoutError past it
     (Note [a bounded wait]). ``max_sleep``: the longest sleep between two
-    polls (how late the return may be)."""
+    polls (how late the return may be). ``spin``: seconds of polling without
+    sleeping first, for a message expected at once (a sleep of 10 us lasts
+    ~60 us: the kernel's timer slack)."""
     is_completed = getattr(work, "is_completed", None)
     if poll is None:
         poll = tensor.device.type == "cuda"
     if is_completed is not None and poll:
-        delay = 0.0
+        delay, spin_until = 0.0, time.monotonic() + spin
         while not is_completed():
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
                 raise TimeoutError("the transfer did not complete in time")
+            if now < spin_until:
+                time.sleep(0)  # lets other threads run; Ctrl-C raises in this loop
+                continue
             if delay:
                 time.sleep(delay)  # the GIL is free; Ctrl-C raises here
             delay = min(max(2 * delay, 1e-5), max_sleep)
@@ -208,18 +214,26 @@ def broadcast_ints(transport: Transport, values: Optional[List[int]], n: int, sr
     return list(values) if transport.rank == src else t.tolist()  # the sender does not wait for the GPU
 
 
-def _encode(transport: Transport, obj: Any) -> torch.Tensor:
+def _json_bytes(obj: Any) -> bytearray:
     data = json.dumps(obj, separators=(",", ":")).encode()
     if len(data) > MAX_MESSAGE_BYTES:
         raise ValueError(f"torch_ipc: a control message of {len(data)} bytes is over {MAX_MESSAGE_BYTES}")
-    return to_control(torch.frombuffer(bytearray(data), dtype=torch.uint8), transport)
+    return bytearray(data)
 
 
-def _buffer(transport: Transport, n: int) -> torch.Tensor:
+def _encode(transport: Transport, obj: Any) -> torch.Tensor:
+    return to_control(torch.frombuffer(_json_bytes(obj), dtype=torch.uint8), transport)
+
+
+def _checked_length(n: int) -> int:
     if not 0 <= n <= MAX_MESSAGE_BYTES:
         raise ValueError(f"torch_ipc: a peer announced a control message of {n} bytes "
                          f"(at most {MAX_MESSAGE_BYTES})")
-    return torch.empty(n, dtype=torch.uint8, device=transport.control_device)
+    return n
+
+
+def _buffer(transport: Transport, n: int) -> torch.Tensor:
+    return torch.empty(_checked_length(n), dtype=torch.uint8, device=transport.control_device)
 
 
 def _decode(t: torch.Tensor) -> Any:
@@ -244,28 +258,39 @@ def broadcast_json(transport: Transport, obj: Any, src: int) -> Any:
 FIRST_BYTES = 4096
 
 
-def send_json(transport: Transport, obj: Any, dst: int) -> None:
-    data = _encode(transport, obj)
-    n, room = data.numel(), FIRST_BYTES - 8
+def post_json(transport: Transport, obj: Any, dst: int) -> List[Tuple[Any, torch.Tensor]]:
+    """Start sending ``obj`` to ``dst``: (work, tensor) of each message, for
+    :func:`finish` once the caller has posted what follows it (the pair's
+    transfers are ordered). Built on the host, one copy to the device."""
+    data = _json_bytes(obj)
+    n, room = len(data), FIRST_BYTES - 8
     head = torch.zeros(FIRST_BYTES, dtype=torch.uint8)
     head[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
-    first = to_control(head, transport)
-    first[8 : 8 + min(n, room)] = data[:room]
-    finish(transport.send(first, dst), first)
+    head[8 : 8 + min(n, room)] = torch.frombuffer(data, dtype=torch.uint8)[:room]
+    messages = [to_control(head, transport)]
     if n > room:
-        transport.send(data[room:], dst).wait()
+        messages.append(to_control(torch.frombuffer(data, dtype=torch.uint8)[room:], transport))
+    return [(transport.send(t, dst), t) for t in messages]
 
 
-def recv_json(transport: Transport, src: int) -> Any:
+def send_json(transport: Transport, obj: Any, dst: int) -> None:
+    for work, tensor in post_json(transport, obj, dst):
+        finish(work, tensor)
+
+
+def recv_json(transport: Transport, src: int, spin: float = 0.0) -> Any:
+    """A message of :func:`send_json` / :func:`post_json` from ``src``; one
+    copy to the host when it fits the first message. ``spin``: as in finish()."""
     first = torch.empty(FIRST_BYTES, dtype=torch.uint8, device=transport.control_device)
-    finish(transport.recv(first, src), first)
+    finish(transport.recv(first, src), first, spin=spin)
     first = first.cpu()
     (n,) = first[:8].view(torch.int64).tolist()
-    data, room = _buffer(transport, n), FIRST_BYTES - 8
-    data[: min(n, room)] = first[8 : 8 + min(n, room)].to(data.device)
-    if n > room:
-        transport.recv(data[room:], src).wait()
-    return _decode(data)
+    room = FIRST_BYTES - 8
+    if _checked_length(n) <= room:
+        return _decode(first[8 : 8 + n])
+    rest = _buffer(transport, n - room)
+    transport.recv(rest, src).wait()
+    return _decode(torch.cat([first[8:], rest.cpu()]))
 
 
 # ----------------------------------------------------------------------------- torch.distributed

@@ -3,6 +3,7 @@ another node's pool, over torch.distributed. Each node is a separate process
 (gloo over this machine's loopback); every process is a Peer of a PeerGroup,
 killed with its group when the test ends or times out."""
 
+import random
 import signal
 
 import distributed_helpers as dh
@@ -300,6 +301,63 @@ def test_kv_blocks_of_another_layout_are_refused_after_draining():
             peer.call(dh.kv_close)
 
 
+# (blocks a piece, order of the ids) of each transfer of _kv_rounds
+KV_ROUNDS = [(1, "random"), (3, "consecutive"), (5, "mixed"), (64, "random"), (64, "consecutive")]
+
+
+def _kv_order(ids, kind: str, seed: int):
+    if kind == "random":
+        return random.Random(seed).sample(ids, len(ids))
+    if kind == "consecutive":
+        order = sorted(ids)
+        assert order == list(range(order[0], order[0] + len(order)))  # the sender's pool gave a run
+        return order
+    return [i for i in ids if i % 3] + [i for i in ids if not i % 3]  # short runs and single blocks
+
+
+def _kv_rounds(sender, receiver, device: str, backend: str, seed: int) -> None:
+    """Blocks of half DIRECT_MIN_BYTES from one pool to another's, bit for
+    bit, in pieces of 1, 3, 5 blocks or all at once, random, consecutive and
+    mixed ids (KV_ROUNDS; the first into a fragmented pool); then a transfer
+    the receiver cannot take (too few free blocks) is drained and the next
+    one lands: the sender posts each header and its pieces without waiting in
+    between (Note [KV blocks across nodes])."""
+    from torch_ipc.kv.remote import DIRECT_MIN_BYTES
+
+    shape, url = (DIRECT_MIN_BYTES // 4,), dh.group_url()
+    sender.start_call(dh.kv_start, url, 0, 2, 32, shape, DTYPE, device, backend=backend)
+    receiver.call(dh.kv_start, url, 1, 2, 16 * len(KV_ROUNDS) + 18, shape, DTYPE, device, backend=backend)
+    sender.result()
+    held = receiver.call(dh.kv_allocate, 10)
+    receiver.call(dh.kv_free, held[::2], True)  # free: 5 blocks apart, then the rest
+    block_bytes = DIRECT_MIN_BYTES // 2
+    for i, (piece, kind) in enumerate(KV_ROUNDS + [(3, "mixed"), (3, "random")]):
+        n = 8 if i == len(KV_ROUNDS) + 1 else 16
+        ids, data = sender.call(dh.kv_write, n, seed=seed + i)
+        order = _kv_order(ids, kind, seed + i)
+        receiver.start_call(dh.kv_recv, 0)
+        meta = {"round": i, "tokens": list(range(3000 * (i == 2)))}  # round 2: a header of two messages
+        sender.call(dh.kv_send, order, 1, meta=meta, staging_bytes=piece * block_bytes)
+        got = receiver.result()
+        if i == len(KV_ROUNDS):  # 13 free blocks for 16
+            assert got["error"] == "OutOfBlocksError" and len(got["held"]) == 5 + 16 * len(KV_ROUNDS), got
+            continue
+        row = len(data) // len(ids)
+        assert got["bytes"] == b"".join(data[ids.index(b) * row : (ids.index(b) + 1) * row] for b in order), i
+        assert got["meta"] == meta and len(got["ids"]) == n
+        if i == 0:  # through staging into the 5 blocks apart, then straight into a run
+            assert got["ids"][:5] == held[::2], got["ids"]
+
+
+def test_kv_transfers_of_every_piece_size_and_order_and_a_drained_one_over_gloo():
+    with PeerGroup(timeout=TIMEOUT) as group:
+        prefill, decode = group.get("prefill"), group.get("decode")
+        _kv_rounds(prefill, decode, "cpu", "gloo", seed=21)
+        for peer in (prefill, decode):
+            peer.call(dh.kv_close)
+        group.close(check=True)
+
+
 def test_kv_send_checks_its_arguments_before_sending(tmp_path):
     from torch_ipc.kv import SharedKVPool
     from torch_ipc.kv.remote import send_blocks
@@ -346,19 +404,10 @@ def _cuda_relay_round_trip(trainer, relay, sub, backend: str, last: int, seed: i
 
 
 def _cuda_kv_round_trip(sender, receiver, backend: str, seed: int) -> None:
-    """16 blocks, in an order that is partly consecutive, between two CUDA pools."""
-    url = dh.group_url()
-    sender.start_call(dh.kv_start, url, 0, 2, 32, SHAPE, DTYPE, "cuda", backend=backend)
-    receiver.call(dh.kv_start, url, 1, 2, 32, SHAPE, DTYPE, "cuda", backend=backend)
-    sender.result()
-    ids, data = sender.call(dh.kv_write, 16, seed=seed)
-    order = [i for i in ids if i % 3] + [i for i in ids if not i % 3]
-    receiver.start_call(dh.kv_recv, 0)
-    sender.call(dh.kv_send, order, 1, staging_bytes=4096)
-    got = receiver.result()
-    row = len(data) // len(ids)
-    assert got["bytes"] == b"".join(data[ids.index(i) * row : (ids.index(i) + 1) * row] for i in order)
-    for peer in (sender, receiver):  # at once, as the relay's close (Note [closing a group] in relay.py)
+    """_kv_rounds between two CUDA pools, then both close at once (as the
+    relay's close: Note [closing a group] in relay.py)."""
+    _kv_rounds(sender, receiver, "cuda", backend, seed)
+    for peer in (sender, receiver):
         peer.start_call(dh.kv_close)
     for peer in (sender, receiver):
         peer.result()
@@ -383,6 +432,15 @@ def test_nccl_weights_and_kv_blocks_on_two_gpus():
         sub = group.get("sub", env={"CUDA_VISIBLE_DEVICES": "1"})
         _cuda_relay_round_trip(trainer, relay, sub, "nccl", last=3, seed=12)
         _cuda_kv_round_trip(trainer, relay, "nccl", seed=13)
+
+
+@pytest.mark.gpus(2)
+def test_nccl_kv_blocks_of_every_piece_size_and_order_on_two_gpus():
+    """_kv_rounds alone (the test above runs them after the relay's round trip)."""
+    with PeerGroup(timeout=TIMEOUT) as group:
+        sender = group.get("prefill", env={"CUDA_VISIBLE_DEVICES": "0"})
+        receiver = group.get("decode", env={"CUDA_VISIBLE_DEVICES": "1"})
+        _cuda_kv_round_trip(sender, receiver, "nccl", seed=31)
 
 
 @pytest.mark.gpus(2)

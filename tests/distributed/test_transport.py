@@ -3,6 +3,7 @@ the weights relay and the KV protocol run unchanged on a second Transport
 (tests/transport_helpers.py, ranks as threads), and counts a peer sends are
 bounded before anything is built from them (Note [counts from a peer])."""
 
+import threading
 import time
 
 import distributed_helpers as dh
@@ -154,3 +155,90 @@ def test_a_kv_header_of_2_39_pieces_over_the_in_memory_transport():
         assert time.monotonic() - start < 5.0 and pool.held() == []
     finally:
         pool.close()
+
+
+# ----------------------------------------------------------------------------- Note [KV blocks across nodes]
+
+@pytest.mark.parametrize("n", [0, _dist.FIRST_BYTES - 11, _dist.FIRST_BYTES - 10, _dist.FIRST_BYTES - 9, 20000])
+def test_json_messages_around_the_room_of_the_first_message(n):
+    """A string of n characters is n + 2 bytes of JSON: it fits the first
+    message (FIRST_BYTES less the 8 of its length) or goes on in a second."""
+    hub = th.Hub(2)
+    works = _dist.post_json(hub.transport(0), "x" * n, 1)
+    assert len(works) == 1 + (n + 2 > _dist.FIRST_BYTES - 8)
+    _dist.send_json(hub.transport(0), {"n": n}, 1)
+    assert _dist.recv_json(hub.transport(1), 0, spin=1e-3) == "x" * n
+    assert _dist.recv_json(hub.transport(1), 0) == {"n": n}
+
+
+def _kv_pools(n, dtype=torch.float16, shape=(2, 3, 8)):
+    from torch_ipc.kv import SharedKVPool
+
+    return SharedKVPool(n, shape, dtype)
+
+
+def _kv_write(pool, n, seed):
+    ids = pool.allocate(n)
+    data = torch.randn((n, *pool.block_shape), generator=torch.Generator().manual_seed(seed)).to(pool.dtype)
+    pool.scatter(ids, data)
+    return ids, data
+
+
+def test_kv_transfers_posted_back_to_back_land_in_order():
+    """Three transfers posted before the receiver starts (the sender waits for
+    nothing on this transport): each header is followed by its own pieces."""
+    from torch_ipc.kv.remote import recv_blocks, send_blocks
+
+    hub, a, b = th.Hub(2), _kv_pools(48), _kv_pools(48)
+    try:
+        sent = []
+        for i, piece in enumerate([1, 4, 16]):
+            ids, data = _kv_write(a, 12, seed=i)
+            order = ids[::-1] if i % 2 else ids
+            send_blocks(a, order, 1, meta=i, staging_bytes=piece * a.block_bytes, transport=hub.transport(0))
+            sent.append(torch.stack([data[ids.index(k)] for k in order]))
+        for i, want in enumerate(sent):
+            got = recv_blocks(b, 0, transport=hub.transport(1))
+            assert got.meta == i and torch.equal(b.gather(got.ids), want)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_refused_kv_transfer_is_drained_and_the_next_one_lands():
+    """Blocks of another layout, then too many blocks: each refused after its
+    pieces were drained, nothing held; the transfer after each lands bit for bit."""
+    from torch_ipc.kv import LayoutMismatchError, OutOfBlocksError
+    from torch_ipc.kv.remote import recv_blocks, send_blocks
+
+    hub, a, other, b = th.Hub(2, wait_s=5.0), _kv_pools(32), _kv_pools(32, torch.bfloat16), _kv_pools(10)
+    try:
+        for refuse_into, n, error in [(other, 8, LayoutMismatchError), (b, 12, OutOfBlocksError)]:
+            ids, _ = _kv_write(a, n, seed=n)
+            send_blocks(a, ids, 1, staging_bytes=3 * a.block_bytes, transport=hub.transport(0))
+            ids, data = _kv_write(a, 6, seed=n + 1)
+            order = ids[1::2] + ids[::2]
+            send_blocks(a, order, 1, staging_bytes=4 * a.block_bytes, transport=hub.transport(0))
+            with pytest.raises(error):
+                recv_blocks(refuse_into, 0, transport=hub.transport(1))
+            assert refuse_into.held() == []
+            got = recv_blocks(b, 0, transport=hub.transport(1))
+            assert torch.equal(b.gather(got.ids), torch.stack([data[ids.index(k)] for k in order]))
+            b.free(got.ids)
+    finally:
+        for pool in (a, other, b):
+            pool.close()
+
+
+def test_a_spinning_finish_keeps_its_deadline_and_returns_once_the_message_is_there():
+    hub = th.Hub(2)
+    into = torch.empty(3, dtype=torch.uint8)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):  # spins past its deadline: the deadline wins
+        _dist.finish(hub.transport(1).recv(into, 0), into, deadline=start + 0.05, poll=True, spin=10.0)
+    assert time.monotonic() - start < 2.0
+    hub = th.Hub(2)  # the receive above stays unmatched on the first
+    threading.Timer(0.05, lambda: hub.transport(0).send(torch.tensor([1, 2, 3], dtype=torch.uint8), 1)).start()
+    # spins, then sleeps until the message came
+    _dist.finish(hub.transport(1).recv(into, 0), into, deadline=time.monotonic() + 20, poll=True, spin=0.01)
+    assert into.tolist() == [1, 2, 3]

@@ -9,34 +9,68 @@
 Note [KV blocks across nodes]
 The local hand-over (Note [hand-over] in torch_ipc/kv/_handover.py) passes
 ids; across nodes the bytes must move. ``send_blocks`` cuts the ids into
-pieces of at most ``staging_bytes`` and sends a JSON header (count, layout,
-meta, the pieces' lengths run-length encoded), then the pieces. A piece is
-either one run of consecutive blocks of a chunk, sent straight from the
-pool's memory, or short runs gathered into one of two staging buffers. On a
-CPU pool every run of at least DIRECT_MIN_BYTES (1 MiB) goes straight: a
-host gather costs a copy of every byte, a message its own overhead (gloo on
-loopback, 2 cores: 256 random blocks of 2 MiB went at ~95% of one raw send
-straight and ~40% gathered into 64 MiB pieces; 256 of 128 KiB, straight, as
-256 messages, at ~45%, gathered into 4 MiB pieces at ~60%). On a CUDA pool
-only runs that fill a piece go straight (a device gather is cheap, a message
-is not).
-``recv_blocks`` allocates the blocks in its own pool first, then receives
-each piece straight into a run of them or into staging and scatters it.
-Pieces without staging are all posted at once (a gloo send moves only once
-its receive is posted: one posted at a time left the wire idle for a round
-trip per piece); at most two staged pieces (staging buffers, or host memory
-for CUDA tensors over gloo, Note [CUDA tensors over gloo] in _dist.py) are
-in flight on each side, so the gather or copy of the next overlaps the
-transfer of this one and staging memory stays bounded. The semantics are
-the local hand-over's: the bytes sent are those written on the sender's
-current stream before the call (the sends are ordered after it), the
-receiver's current stream is ordered after the scatter (the host does not
-wait for NCCL), the receiver holds the new blocks and frees them, and with
-``transfer`` (default) the sender's blocks go back to its pool once the
-sends completed. A receiver whose pool cannot take the blocks (other
+pieces of at most ``staging_bytes`` (Note [KV piece size]) and posts a JSON
+header (count, layout, meta, the pieces' lengths run-length encoded), then
+the pieces. A piece is either one run of consecutive blocks of a chunk, sent
+straight from the pool's memory, or short runs gathered into one of two
+staging buffers. On a CPU pool every run of at least DIRECT_MIN_BYTES (1 MiB)
+goes straight: a host gather costs a copy of every byte, a message its own
+overhead (gloo on loopback, 2 cores: 256 random blocks of 2 MiB went at ~95%
+of one raw send straight and ~40% gathered into 64 MiB pieces; 256 of 128
+KiB, straight, as 256 messages, at ~45%, gathered into 4 MiB pieces at
+~60%). On a CUDA pool only runs that fill a piece go straight (a device
+gather is cheap, a message is not).
+The sender does not wait for the header before it gathers and posts the
+pieces: the transfers of a pair are ordered, and nothing lands on the
+receiver before it has posted the receive of a piece, which it does only
+once it has checked the header and allocated the blocks. It waits for the
+header (the receiver has taken it) and for the pieces at the end. Waiting
+first put the sender's gathers and posts after a round trip (the
+receiver's poll, copy to the host, check and allocation; the sender's poll)
+instead of beside it. ``recv_blocks`` polls for the header without sleeping for
+HEADER_SPIN_S first (a sleep lasts ~60 us at least), copies it to the host
+once, allocates the blocks in its own pool, then receives each piece
+straight into a run of them or into staging and scatters it. Pieces without
+staging are all posted at once (a gloo send moves only once its receive is
+posted: one posted at a time left the wire idle for a round trip per
+piece); at most two staged pieces (staging buffers, or host memory for CUDA
+tensors over gloo, Note [CUDA tensors over gloo] in _dist.py) are in flight
+on each side, so the gather or copy of the next overlaps the transfer of
+this one and staging memory stays bounded. With NCCL, waiting for a piece
+(to reuse its buffer) makes the current stream wait, not the host: the host
+posts every piece at once, and the device orders each gather after the send
+that used its buffer. Each piece is one send and one receive, not a
+``batch``: torch.distributed runs an NCCL batch on the group's communicator
+(whose first use needs every rank of the group) and a single send on the
+pair's, so both sides would have to batch the same transfers, for one host
+call less per piece, which pieces of Note [KV piece size] do not need.
+The semantics are the local hand-over's: the bytes sent are those written
+on the sender's current stream before the call (the sends are ordered after
+it), the receiver's current stream is ordered after the scatter (the host
+does not wait for NCCL), the receiver holds the new blocks and frees them,
+and with ``transfer`` (default) the sender's blocks go back to its pool once
+the sends completed. A receiver whose pool cannot take the blocks (other
 layout, too few free) still drains the pieces, so the pair stays in step,
 then raises. Only the pool's public API is used. Another transport: Note
 [cross-node transport] in torch_ipc/_dist.py.
+
+Note [KV piece size]
+DEFAULT_STAGING_BYTES, the largest piece, is 128 MiB. A piece costs the
+posting host one NCCL call (0.1-0.25 ms in torch.distributed, profiled on
+H100s) and, gathered, one gather launch (58 us, Note [kv copy default] in
+_copies.py); on the wire it takes 128 MiB / ~400 GB/s = ~0.32 ms between two
+H100s over NVLink, so the host stays ahead of the wire. Pieces of 64 MiB
+(~0.16 ms) did not: 256 random blocks of 2 MiB went at 64% of one raw send
+of the same bytes, consecutive ones at 67% (2026-11-26), the posting host
+the limit. Staging (where blocks are gathered or scattered) is two pieces,
+256 MiB, per side. The first gather overlaps the header's round trip; a
+receiver whose blocks are not consecutive scatters the last piece after the
+wire is done (128 MiB at ~2.3 TB/s: ~60 us). Pieces are not ramped (a small
+first or last one): the first gather is hidden already, and smaller last
+pieces would cost such a receiver one call and one scatter launch each,
+which its host, barely ahead of the wire at 128 MiB, has no time for. Over
+400 Gb/s (~50 GB/s) a piece takes ~2.7 ms: the host is idle and the copies
+are ~1% of the time.
 """
 
 import bisect
@@ -56,7 +90,8 @@ from . import LayoutMismatchError, OutOfBlocksError, SharedKVPool
 __all__ = ["send_blocks", "recv_blocks", "RemoteHandover"]
 
 _KIND = "torch_ipc.kv.blocks/2"
-DEFAULT_STAGING_BYTES = 64 << 20
+DEFAULT_STAGING_BYTES = 128 << 20  # Note [KV piece size]
+HEADER_SPIN_S = 2e-3  # a receiver polls for the header without sleeping this long first
 MAX_PIECE_BYTES = 1 << 30  # a receiver stages at most this much per piece, whatever a sender announces
 DIRECT_MIN_BYTES = 1 << 20  # a CPU pool's runs of at least this many bytes are sent without a gather
 STAGED_IN_FLIGHT = 2  # staged pieces in flight per side (two staging buffers)
@@ -201,7 +236,8 @@ def send_blocks(
     :func:`recv_blocks`. ``meta``: any JSON value, travelling along (JSON,
     not pickle: a process group is not authenticated). ``transfer``: give
     the blocks back to this pool after the send (default), else keep them.
-    ``staging_bytes``: the largest piece (two staging buffers of it at most).
+    ``staging_bytes``: the largest piece (two staging buffers of it at most;
+    Note [KV piece size]).
     ``transport``: another :class:`torch_ipc.Transport` instead of
     torch.distributed over ``group`` (Note [cross-node transport]).
     See Note [KV blocks across nodes]."""
@@ -225,14 +261,15 @@ def send_blocks(
         json.dumps(header)
     except (TypeError, ValueError) as e:
         raise TypeError(f"torch_ipc: meta must be a JSON value ({e})") from None
-    _dist.send_json(transport, header, dst)
-    _send_pieces(transport, pool, memory, ids, lengths, dst)
+    _send_pieces(transport, pool, memory, ids, lengths, dst, _dist.post_json(transport, header, dst))
     if transfer:
         pool.free(ids)  # CUDA: once the current stream, which waited for the sends, gets there
 
 
 def _send_pieces(transport: Transport, pool: SharedKVPool, memory: _ChunkRuns, ids: List[int],
-                 lengths: List[int], dst: int) -> None:
+                 lengths: List[int], dst: int, header: List[Tuple[Any, torch.Tensor]]) -> None:
+    """Post the pieces behind the header's messages (posted, not waited for:
+    Note [KV blocks across nodes]), then wait for the header and the pieces."""
     in_flight = _InFlight(transport, pool, max(lengths))
     for lo, hi in _bounds(lengths):
         data = memory.view(ids[lo:hi])
@@ -240,6 +277,8 @@ def _send_pieces(transport: Transport, pool: SharedKVPool, memory: _ChunkRuns, i
         if buffer is not None:
             data = pool.gather(ids[lo:hi], out=buffer[: hi - lo])
         in_flight.add(transport.send(data, dst), staged, buffer)
+    for work, message in header:
+        _dist.finish(work, message)  # the receiver has taken the header
     in_flight.drain()
 
 
@@ -300,7 +339,7 @@ def recv_blocks(
     draining what was sent, so the pair stays in step). ``transport``: as
     in :func:`send_blocks`."""
     transport = _dist.transport_for(transport, group)
-    header = _dist.recv_json(transport, src)
+    header = _dist.recv_json(transport, src, spin=HEADER_SPIN_S)
     n, pairs, block_bytes, mismatch = _check_header(pool, header)
     ids: List[int] = []
     error: Optional[Exception] = LayoutMismatchError(f"torch_ipc: cannot receive KV blocks: {mismatch}") \
