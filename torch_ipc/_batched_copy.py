@@ -25,7 +25,7 @@ F32_TO_BF16 = 1
 # of the launch each, so that work spreads evenly over the SMs.
 ITEM_BYTES: int = _C.batched_item_bytes
 # The most bytes item_size() puts in one item (Note [block items]).
-LARGEST_ITEM = 8 * ITEM_BYTES
+LARGEST_ITEM = ITEM_BYTES
 _available: Dict[int, Tuple[bool, str]] = {}
 _sm_counts: Dict[int, int] = {}
 
@@ -82,11 +82,15 @@ def item_size(nbytes: int, blocks: int, min_items: int = 1) -> int:
     Ranges of one size (a KV pool's blocks) are cut into items of equal size,
     rounded up to 16 bytes, so an aligned block stays aligned in every item
     and no item is a small remainder. How many: as few as keep items <=
-    LARGEST_ITEM (2 MiB) and give the launch `min_items` (the caller passes
-    the GPU's SM count: every SM gets work), but no item below ITEM_BYTES
-    (256 KiB, the grain of weights' launches) for that. 256 blocks of 2 MiB
-    are 256 items, ~2 per SM of an H100, all resident at once (the kernel uses
-    32 registers: 4 blocks of 512 threads fit an SM). The table itself is
+    LARGEST_ITEM and give the launch `min_items` (the caller passes the GPU's
+    SM count: every SM gets work), but no item below ITEM_BYTES (256 KiB, the
+    grain of weights' launches) for that. LARGEST_ITEM was 2 MiB (256 blocks
+    of 2 MiB: 256 items, ~2 per SM of an H100, all resident at once); items
+    of at most 256 KiB gathered 256 random such blocks at 0.84x and 0.85x of
+    a device copy against 0.79x for one item a block, in each of two
+    kv_bench.py runs on an H100 (2026-11-25, 2026-11-26 12:51 UTC): eight
+    times the blocks, each with less to do, keep the SMs busier to the end of
+    the launch. So LARGEST_ITEM is ITEM_BYTES now. The table itself is
     filled in C++ (_C.fill_block_items, which checks every id against the
     pool's chunks before it writes an address): built with tensor ops it cost
     134 us of host time a gather on the H100 machine, a third of the 512 MiB

@@ -61,11 +61,12 @@ def test_items_per_block_fill_the_gpu_within_bounds():
     """Note [block items]: items <= LARGEST_ITEM, at least min_items in all
     when blocks allow, never below ITEM_BYTES for that."""
     mib = 1 << 20
-    assert _batched_copy.items_per_block(2 * mib, 256, 132) == 1  # kv_bench: 256 items of 2 MiB
-    assert _batched_copy.items_per_block(2 * mib, 40, 132) == 4
+    assert LARGEST_ITEM == ITEM_BYTES == 256 << 10
+    assert _batched_copy.items_per_block(2 * mib, 256, 132) == 8  # kv_bench: 2048 items of 256 KiB
     assert _batched_copy.items_per_block(2 * mib, 4, 132) == 2 * mib // ITEM_BYTES  # items of ITEM_BYTES
-    assert _batched_copy.items_per_block(4 * mib + 16, 256, 132) == 3  # none above LARGEST_ITEM
-    assert _batched_copy.items_per_block(15, 3, 132) == 1
+    assert _batched_copy.items_per_block(4 * mib + 16, 256, 132) == 17  # none above LARGEST_ITEM
+    assert _batched_copy.items_per_block(15, 3, 132) == 1  # never below a block: no more items than bytes allow
+    assert _batched_copy.items_per_block(64 << 10, 1, 132) == 1  # nor below ITEM_BYTES to reach min_items
     assert _batched_copy.items_per_block(ITEM_BYTES + 1, 1, 132) == 2
 
 
