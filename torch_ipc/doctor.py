@@ -127,33 +127,46 @@ def _cuda_attributes(count: int) -> List[dict]:
     return out
 
 
-_ROUND_TRIP = """
+_ROUND_TRIPS = """
 import sys, torch, torch_ipc
-y = torch_ipc.loads(bytes.fromhex(sys.stdin.read()))
-y.fill_(7)
-if y.is_cuda:
-    torch.cuda.synchronize()
-print("ok")
+for line in sys.stdin.read().split():
+    try:
+        y = torch_ipc.loads(bytes.fromhex(line))
+        y.fill_(7)
+        if y.is_cuda:
+            torch.cuda.synchronize(y.device)
+        print("ok", flush=True)
+    except Exception as e:
+        print(f"{type(e).__name__}: {e}".replace(chr(10), " "), flush=True)
 """
 
 
-def _round_trip(device: str) -> Optional[str]:
-    """Share a tensor with a fresh process that writes 7 into it; None when
-    this process then sees the 7s, else what went wrong."""
+def _round_trips(devices: List[str]) -> List[Optional[str]]:
+    """Share a tensor on each device with one fresh process, which writes 7
+    into each; per device, None when this process then sees the 7s, else what
+    went wrong. One process for every device: an interpreter with torch takes
+    seconds to start."""
     import torch
 
     from ._serialize import dumps
 
-    x = torch.zeros(1024, device=device)
+    xs = [torch.zeros(1024, device=d) for d in devices]
     try:
-        r = _child(_ROUND_TRIP, dumps(x).hex())
+        r = _child(_ROUND_TRIPS, " ".join(dumps(x).hex() for x in xs))
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
-        return f"{type(e).__name__}: {e}"
-    if r.returncode != 0:
-        return _last_line(r.stderr)
-    if not bool((x == 7).all()):
-        return "the consumer's writes are not visible to the producer"
-    return None
+        return [f"{type(e).__name__}: {e}"] * len(devices)
+    answers = r.stdout.splitlines()
+    out: List[Optional[str]] = []
+    for i, x in enumerate(xs):
+        if i >= len(answers):
+            out.append(_last_line(r.stderr) or f"the consumer exited with {r.returncode}")
+        elif answers[i] != "ok":
+            out.append(answers[i])
+        elif not bool((x == 7).all()):
+            out.append("the consumer's writes are not visible to the producer")
+        else:
+            out.append(None)
+    return out
 
 
 def check_cuda() -> List[Row]:
@@ -163,6 +176,8 @@ def check_cuda() -> List[Row]:
         return [Row("CUDA IPC", INFO, "no CUDA in this torch: nothing to check")]
     count = torch.cuda.device_count()
     attrs = _cuda_attributes(count)
+    usable = [i for i, a in enumerate(attrs) if a["unified"] == 1 and a["ipc_event"] != 0]
+    problems = dict(zip(usable, _round_trips([f"cuda:{i}" for i in usable]))) if usable else {}
     rows = []
     for i, a in enumerate(attrs):
         what = (f"unified addressing {a['unified']}, IPC events {a['ipc_event']}, VMM {a['vmm']}, "
@@ -172,7 +187,7 @@ def check_cuda() -> List[Row]:
                             "this device cannot share memory across processes (a MIG instance or a "
                             "platform without CUDA IPC); use a full GPU"))  # fmt: skip
             continue
-        problem = _round_trip(f"cuda:{i}")
+        problem = problems[i]
         if problem is None:
             rows.append(Row(f"CUDA IPC cuda:{i}", OK, what + "; a round trip through another process works"))
         else:
@@ -219,7 +234,7 @@ def check_dev_shm() -> List[Row]:
     if free < 1 << 30:
         detail += " (less than 1 GiB: CPU tensors larger than that cannot be shared)"
         return [Row("/dev/shm", FAIL, detail, fix)]
-    problem = _round_trip("cpu")
+    (problem,) = _round_trips(["cpu"])
     if problem is not None:
         return [Row("/dev/shm", FAIL, f"{detail}; sharing a CPU tensor failed: {problem}", fix)]
     return [Row("/dev/shm", OK, detail + "; a CPU tensor round trip through another process works")]

@@ -89,3 +89,21 @@ def test_doctor_prints_a_table_and_says_how_to_call_it(capsys):
 
     assert _main([]) == 2  # no command: the usage, on stderr
     assert "usage: python -m torch_ipc doctor" in capsys.readouterr().err
+
+
+def test_one_consumer_process_answers_for_every_device(monkeypatch):
+    """The round trips of all devices go through one fresh process; each
+    device gets its own answer, and a consumer that stops half way fails the
+    devices it did not answer for (here: CPU tensors standing for devices)."""
+    from torch_ipc import doctor
+
+    assert doctor._round_trips(["cpu", "cpu"]) == [None, None]
+    stops = """
+import sys, torch, torch_ipc
+first = sys.stdin.read().split()[0]
+torch_ipc.loads(bytes.fromhex(first)).fill_(7)
+print("ok", flush=True)
+sys.exit("the consumer gave up")
+"""
+    monkeypatch.setattr(doctor, "_ROUND_TRIPS", stops)
+    assert doctor._round_trips(["cpu", "cpu"]) == [None, "the consumer gave up"]
