@@ -43,11 +43,12 @@ def _expected(weights) -> Dict[str, Dict[str, bytes]]:
 # ----------------------------------------------------------------------------- trainer
 
 def trainer_start(url: str, world: int, device: str = "cpu", seed: int = 0, big: int = 3000,
-                  bucket_bytes: int = 2048, backend: str = "gloo") -> Dict[int, Dict[str, Dict[str, bytes]]]:
+                  bucket_bytes: int = 2048, backend: str = "gloo",
+                  timeout: float = 60.0) -> Dict[int, Dict[str, Dict[str, bytes]]]:
     """Publish version 1 here, then join the group and broadcast it."""
     init_group(url, 0, world, backend)
     weights = make_weights(device, seed=seed, big=big)
-    pub = Publisher(weights)
+    pub = Publisher(weights, timeout=timeout)
     STATE.update(pub=pub, weights=weights, bucket_bytes=bucket_bytes)
     pub.publish()
     pub.broadcast_to(bucket_bytes=bucket_bytes)
@@ -80,6 +81,40 @@ def trainer_publish_into_a_broken_group(seed: int):
     raise AssertionError("publish() into a group with a dead relay did not raise BroadcastError")
 
 
+def trainer_publish_failing():
+    """Publish into a group whose relay stopped receiving: (seconds, version, the BroadcastError's text)."""
+    pub = STATE["pub"]
+    start = time.monotonic()
+    try:
+        pub.publish()
+    except BroadcastError as e:
+        return time.monotonic() - start, pub.version, str(e)
+    raise AssertionError("publish() to a relay that stopped receiving did not raise BroadcastError")
+
+
+def trainer_publish_interrupted(after_s: float) -> float:
+    """Publish; a real SIGINT to this process `after_s` into it: seconds from the signal to the KeyboardInterrupt."""
+    import signal
+    import threading
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    sent = []
+
+    def interrupt():
+        time.sleep(after_s)
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    try:
+        STATE["pub"].publish()
+    except KeyboardInterrupt:
+        return time.monotonic() - sent[0]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    raise AssertionError("publish() returned before the SIGINT")
+
+
 def trainer_rejoin(url: str, world: int) -> None:
     init_group(url, 0, world)
     STATE["pub"].broadcast_to(bucket_bytes=STATE["bucket_bytes"])
@@ -101,6 +136,11 @@ def relay_start(url: str, rank: int, world: int, address: str, authkey: bytes, b
     relay.listen(address, authkey=authkey)
     STATE["relay"] = relay
     return os.getpid()
+
+
+def relay_receive():
+    """One version (then this relay stops receiving until told)."""
+    return STATE["relay"].receive()
 
 
 def relay_serve():

@@ -139,25 +139,27 @@ def transport_for(transport: Optional[Transport], group: Any) -> Transport:
 
 
 def finish(work: Any, tensor: torch.Tensor, deadline: Optional[float] = None, poll: Optional[bool] = None,
-           max_sleep: float = 1e-3) -> None:
+           max_sleep: float = 1e-3, spin_s: float = 0.0) -> None:
     """Wait for a control transfer of `tensor` without blocking the current
     stream meanwhile (Note [waiting for a control message]). Only a CUDA
     tensor's is polled (``poll`` decides otherwise: a CUDA tensor staged
     through gloo is not): gloo's point-to-point works report completion only
     from inside wait(). ``deadline`` (time.monotonic()): TimeoutError past it
     (Note [a bounded wait]). ``max_sleep``: the longest sleep between two
-    polls (how late the return may be)."""
+    polls (how late the return may be); ``spin_s``: poll without sleeping
+    (the GIL released) for that long first."""
     is_completed = getattr(work, "is_completed", None)
     if poll is None:
         poll = tensor.device.type == "cuda"
     if is_completed is not None and poll:
-        delay = 0.0
+        delay, spin_until = 0.0, time.monotonic() + spin_s
         while not is_completed():
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
                 raise TimeoutError("the transfer did not complete in time")
-            if delay:
-                time.sleep(delay)  # the GIL is free; Ctrl-C raises here
-            delay = min(max(2 * delay, 1e-5), max_sleep)
+            time.sleep(delay)  # the GIL is free; Ctrl-C raises here
+            if now > spin_until:
+                delay = min(max(2 * delay, 1e-5), max_sleep)
         work.wait()
     elif deadline is None:
         work.wait()

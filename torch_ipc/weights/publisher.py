@@ -3,7 +3,7 @@ publishes each new version with a few counter stores and one launch."""
 
 import secrets
 import time
-from typing import Dict, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import torch
 
@@ -94,6 +94,7 @@ class Publisher(Closeable):
         self._bucket_seq = 0
         self._closed = False
         self._broadcaster = None  # Note [relaying weights to other nodes] in relay.py
+        self._by_range = None  # (ranges, their copies): Note [pipelined publish and broadcast]
         if self.layout.bucket_bytes:
             self._publish_event = None
             self._staging_events = (new_event(self.device), new_event(self.device))
@@ -172,12 +173,56 @@ class Publisher(Closeable):
         self._check_open()
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout
-        version = self._publish_bucketed(deadline) if self.layout.bucket_bytes else self._publish_direct(deadline)
+        if self.layout.bucket_bytes:
+            version = self._publish_bucketed(deadline)
+        elif self._broadcaster is not None:
+            version = self._publish_and_post(deadline)
+        else:
+            version = self._publish_direct(deadline)
         self.stats["publishes"] += 1
         self.stats["last_publish_us"] = (time.perf_counter() - start) * 1e6
         if self._broadcaster is not None:
-            self._broadcast(version)
+            self._finish_broadcast(version, lambda b: b.finish(time.monotonic() + self.timeout))
         return version
+
+    # Note [pipelined publish and broadcast]
+    # With relays, publish() copies the snapshot range by range, one range
+    # per broadcast bucket, and starts bucket k's broadcast right after the
+    # copy of range k is queued (Note [posting a version ahead] in
+    # _broadcast.py): NCCL's stream waits for the current stream when a
+    # collective is posted, so broadcast k waits for copies 0..k only, and
+    # copy k + 1 runs beside it. What the relays wait for before their first
+    # byte is one range's copy, not the whole snapshot's. The local protocol
+    # is unchanged: the copies and the posts run inside the write window of
+    # Note [weights consistency protocol], the publish event is recorded
+    # after the last copy, and the next publish writes only after finish()
+    # ordered the current stream after every broadcast. A tensor that is not
+    # contiguous is copied whole with the range of its first byte (its later
+    # bytes are then written before their own ranges' broadcasts start).
+    def _publish_and_post(self, deadline: float) -> int:
+        broadcaster, version = self._broadcaster, self.version + 1
+        copies = self._range_copies(broadcaster.ranges)
+        try:
+            return self._publish_direct(deadline, fill=lambda: broadcaster.post(version, lambda k: copies[k].run()))
+        except BaseException:
+            if broadcaster.posted:
+                self._broadcaster = None  # part of a version is on the wire: this group is out of step
+            raise
+
+    def _range_copies(self, ranges) -> List[BatchedCopy]:
+        """One BatchedCopy per byte range of the snapshot (Note [pipelined
+        publish and broadcast]), built once per list of ranges."""
+        if self._by_range is None or self._by_range[0] != ranges:
+            groups: List[list] = [[] for _ in ranges]
+            for k, (lo, hi) in enumerate(ranges):
+                for e, first, count in self.layout.pieces_in(lo, hi):
+                    src, dst = self._tensors[e.name], typed_view(self._buffer, e.offset, e.dtype, e.numel)
+                    if src.is_contiguous():
+                        groups[k].append((src.reshape(-1)[first : first + count], dst[first : first + count]))
+                    elif first == 0:
+                        groups[k].append((src, dst.view(src.shape)))
+            self._by_range = (ranges, [BatchedCopy(g) for g in groups])
+        return self._by_range[1]
 
     def _publish_direct(self, deadline: float, fill=None, version: Optional[int] = None) -> int:
         """`fill()` writes the snapshot instead of the copy from the source
@@ -282,13 +327,18 @@ class Publisher(Closeable):
 
         self._broadcaster = None
         self._broadcaster = Broadcaster(self._buffer, self.layout, transport_for(transport, group), src,
-                                        bucket_bytes, self.version)
+                                        bucket_bytes, self.version, self.timeout)
 
     def _broadcast(self, version: int) -> None:
+        """Broadcast the snapshot as `version` again (no local publish)."""
+        self._finish_broadcast(version, lambda b: b.send(version))
+
+    def _finish_broadcast(self, version: int, step) -> None:
+        """`step(broadcaster)`; what fails there is the BroadcastError of `version`."""
         from ._errors import send_failed
 
         try:
-            self._broadcaster.send(version)
+            step(self._broadcaster)
         except Exception as e:
             self._broadcaster = None
             raise send_failed(version, "its broadcast to the relays", "broadcast_to", e) from e

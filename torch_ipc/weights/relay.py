@@ -192,7 +192,7 @@ class Relay(Closeable):
         last complete version; see :meth:`rejoin`)."""
         self._check_open()
         try:
-            magic, kind, version, total = _dist.broadcast_ints(self._transport, None, wire.HEADER_WORDS, self.src)
+            magic, kind, version, total = wire.receive_header(self._transport, self.src)
         except Exception as e:
             raise self._broken(e) from e
         layout = self._publisher.layout
@@ -232,10 +232,21 @@ class Relay(Closeable):
         return self.version
 
     def _fill_snapshot(self) -> None:
+        """Post every bucket, then wait (Note [posting a version ahead] in
+        _broadcast.py). A CUDA snapshot is published once the current stream
+        waits for the buckets (its subscribers' copies queue behind them);
+        host memory once they arrived, each within the relay's timeout."""
         buffer = self._publisher._buffer
-        works = [self._transport.broadcast(buffer[lo:hi], self.src) for lo, hi in self._ranges]
-        for work in works:
-            work.wait()
+        deadline = time.monotonic() + self.timeout
+        works = [(self._transport.broadcast(buffer[lo:hi], self.src), buffer[lo:hi]) for lo, hi in self._ranges]
+        for work, tensor in works:
+            if tensor.device.type == "cuda":
+                work.wait()
+            else:
+                try:
+                    wire.await_work(work, tensor, deadline)
+                except TimeoutError:
+                    raise RuntimeError(f"a bucket did not arrive within {self.timeout} s") from None
 
     def _fill_half(self, bucket: int, half: int) -> None:
         lo, hi = self._ranges[bucket]

@@ -1,0 +1,100 @@
+"""A trainer's publish with relays (Note [pipelined publish and broadcast] in
+torch_ipc/weights/publisher.py, Note [posting a version ahead] in
+_broadcast.py): the snapshot is copied range by range beside the broadcast,
+must stay the same bytes a plain publish writes, and its waits are bounded
+and interruptible."""
+
+import multiprocessing as mp
+import time
+
+import distributed_helpers as dh
+import pytest
+import torch
+import transport_helpers as th
+import weights_helpers as wh
+
+from torch_ipc.testing import PeerGroup
+
+
+def _odd_weights(gen: torch.Generator):
+    """Tensors that cut bucket edges anywhere: odd sizes, a transposed (not
+    contiguous) one, a sliced one, a scalar, an empty one."""
+    wide = torch.randn(37, 50, generator=gen)
+    return {"a": torch.randn(1000, generator=gen), "t": torch.randn(90, 33, generator=gen).t(),
+            "s": torch.randn(()), "e": torch.empty(0), "cols": wide[:, 3:41], "b": torch.randn(3, 77, generator=gen),
+            "big": torch.randn(5000, generator=gen)}
+
+
+def _refill(weights, gen: torch.Generator) -> None:
+    for t in weights.values():
+        t.copy_(torch.randn(t.shape, generator=gen))
+
+
+def _snapshot(pub) -> bytes:
+    """The bytes of every entry of a publisher's snapshot (not the padding between them)."""
+    return b"".join(pub._buffer[e.offset : e.offset + e.nbytes].numpy().tobytes() for e in pub.layout.entries)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_a_publish_with_relays_writes_the_same_snapshot_as_without(dtype):
+    """Buckets of 512 bytes: every tensor spans several ranges or shares one;
+    the trainer's snapshot, the relay's and a subscriber's pull equal a plain
+    publisher's, bit for bit, version after version (with a conversion too)."""
+    from torch_ipc.weights import Publisher, Relay, Subscriber
+
+    gen = torch.Generator().manual_seed(4)
+    weights = _odd_weights(gen)
+    plain, pub = Publisher(weights, dtype=dtype), Publisher(weights, dtype=dtype)
+    hub = th.Hub(2)
+    pub.broadcast_to(transport=hub.transport(0), bucket_bytes=512)
+    relay = Relay(transport=hub.transport(1), src=0)
+    a, b = mp.Pipe()
+    relay.attach(a)
+    sub = Subscriber(b, timeout=10.0)
+    model = {n: torch.zeros(t.shape, dtype=dtype or t.dtype) for n, t in weights.items()}
+    try:
+        assert len(pub._broadcaster.ranges) > 20
+        for version in range(1, 4):
+            _refill(weights, gen)
+            assert plain.publish() == pub.publish() == version
+            assert relay.receive() == version
+            assert _snapshot(pub) == _snapshot(plain) == _snapshot(relay._publisher)
+            assert sub.pull(model, newer_than=version - 1) == version
+            assert wh.bits(model) == wh.bits({n: t.to(dtype or t.dtype) for n, t in weights.items()})
+        assert pub.stats["publishes"] == 3
+    finally:
+        for closing in (sub, relay, pub, plain):
+            closing.close()
+
+
+def test_a_relay_that_stops_receiving_fails_the_publish_within_the_timeout():
+    """A relay process alive but no longer receiving (gloo, 32 MB, more than
+    the sockets buffer): publish() publishes here, then raises BroadcastError
+    once the publisher's timeout (2 s) passed; main waited for the group's
+    own timeout (30 s here) and raised gloo's error."""
+    url, (address, key) = dh.group_url(), wh.listener_address()
+    with PeerGroup(timeout=60.0) as group:
+        trainer, relay = group.get("trainer"), group.get("relay")
+        trainer.start_call(dh.trainer_start, url, 2, big=8 << 20, bucket_bytes=4 << 20, timeout=2.0)
+        relay.call(dh.relay_start, url, 1, 2, address, key)
+        assert relay.call(dh.relay_receive) == 1  # the version sent on joining; then it stops
+        trainer.result()
+        seconds, version, message = trainer.call(dh.trainer_publish_failing)
+        assert version == 2 and "published on this node" in message and "TimeoutError" in message, message
+        assert 1.5 < seconds < 15.0, seconds
+
+
+def test_ctrl_c_ends_a_publish_waiting_for_a_stuck_relay():
+    """The same stuck relay, a publisher's timeout of 60 s: a real SIGINT
+    0.5 s into publish() raises KeyboardInterrupt at once (main's wait was
+    in C++, deaf to it until gloo's own timeout, 30 s here)."""
+    url, (address, key) = dh.group_url(), wh.listener_address()
+    with PeerGroup(timeout=60.0) as group:
+        trainer, relay = group.get("trainer"), group.get("relay")
+        trainer.start_call(dh.trainer_start, url, 2, big=8 << 20, bucket_bytes=4 << 20, timeout=60.0)
+        relay.call(dh.relay_start, url, 1, 2, address, key)
+        assert relay.call(dh.relay_receive) == 1
+        trainer.result()
+        start = time.monotonic()
+        assert trainer.call(dh.trainer_publish_interrupted, 0.5) < 5.0
+        assert time.monotonic() - start < 10.0
