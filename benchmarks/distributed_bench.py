@@ -375,7 +375,7 @@ def parse_args(argv=None):
                         help="gloo (default on CPU) or nccl (default on CUDA)")
     parser.add_argument("--tensors", type=int, default=384)
     parser.add_argument("--tensor-kib", type=int, default=None)
-    parser.add_argument("--bucket-mib", type=int, default=64)
+    parser.add_argument("--bucket-mib", type=int, default=128, help="broadcast_to's bucket_bytes (its default)")
     parser.add_argument("--kv-blocks", type=int, default=256)
     parser.add_argument("--staging-mib", type=int, default=None, help="KV pieces (send_blocks' staging_bytes)")
     parser.add_argument("--iters", type=int, default=None, help="rounds per section at most (10; --quick: 5)")

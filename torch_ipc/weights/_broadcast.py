@@ -106,6 +106,21 @@ def check_fits(total_bytes: int, device: torch.device) -> None:
 SPIN_S = 0.05
 POLL_S = 1e-4
 
+# Note [bucket size of a broadcast]
+# Measured on two H100s (NVLink, 1.5 GiB): the wire moves ~340 GB/s (64 MiB
+# in 0.2 ms); each broadcast costs each host 0.1-0.25 ms; the trainer's
+# snapshot copy ~0.8 ms a GiB, a subscriber's pull ~1.3 ms a GiB. With
+# buckets of B bytes the host keeps up with the wire only while a post costs
+# less than a bucket's time (B >= ~85 MiB at 0.25 ms), and the pipelines add
+# about one bucket's copy at each end (the trainer's first range, partly
+# hidden behind the relay reading the header, and the subscriber's last):
+#   64 MiB: 24 posts, ~4.8 ms of host time for 4.5 ms of wire: host-bound;
+#   128 MiB: 12 posts (~2.4 ms, hidden), ~0.1 + 0.16 ms at the ends;
+#   256 MiB: 6 posts, ~0.2 + 0.33 ms at the ends.
+# 128 MiB it is; a bucketed relay's staging is two of them (256 MiB). On a
+# 400 Gb/s network a bucket takes 2.7 ms on the wire: the ends are noise.
+DEFAULT_BUCKET_BYTES = 128 << 20
+
 
 def await_work(work: Any, tensor: torch.Tensor, deadline: Optional[float]) -> None:
     """Note [posting a version ahead]: poll `work` (a broadcast) until done."""

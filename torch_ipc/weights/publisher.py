@@ -73,13 +73,18 @@ class Publisher(Closeable):
 
     @classmethod
     def _for_layout(cls, layout: Layout, device: torch.device, *, max_subscribers: int,
-                    timeout: float) -> "Publisher":
+                    timeout: float, ranges=()) -> "Publisher":
         """A publisher of `layout` with no source tensors: whoever makes it
         fills the buffer through _publish_direct/_publish_bucketed's `fill`
-        (a weights Relay)."""
+        (a weights Relay). ``ranges``: byte ranges of a direct-mode snapshot
+        that the filler records ``range_events[k]`` after (Note [pulling a
+        relayed version as it lands] in relay.py)."""
         self = cls.__new__(cls)
         self.device, self.timeout = device, timeout
         self._setup(layout, None, max_subscribers)
+        if not layout.bucket_bytes and device.type == "cuda":
+            self.ranges = tuple(tuple(r) for r in ranges)
+            self.range_events = tuple(new_event(device) for _ in self.ranges)
         return self
 
     def _setup(self, layout: Layout, tensors: Optional[Dict[str, torch.Tensor]], max_subscribers: int) -> None:
@@ -95,6 +100,7 @@ class Publisher(Closeable):
         self._closed = False
         self._broadcaster = None  # Note [relaying weights to other nodes] in relay.py
         self._by_range = None  # (ranges, their copies): Note [pipelined publish and broadcast]
+        self.ranges, self.range_events = (), ()  # a relay's: see _for_layout
         if self.layout.bucket_bytes:
             self._publish_event = None
             self._staging_events = (new_event(self.device), new_event(self.device))
@@ -138,7 +144,7 @@ class Publisher(Closeable):
         self._done[slot] = done
         descriptor = _serialize.dumps({"buffer": self._buffer, "control": self._block})
         send(conn, Share(descriptor, self.layout, slot, self._counters.load(ctl.PUBLISHER), self._epoch,
-                         self._publish_event, self._staging_events, done))
+                         self._publish_event, self._staging_events, done, self.ranges, self.range_events))
         return slot
 
     def _free_slot(self) -> int:
@@ -304,17 +310,20 @@ class Publisher(Closeable):
 
     # ---------------------------------------------------------------- other nodes
 
-    def broadcast_to(self, group=None, *, src: Optional[int] = None, bucket_bytes: int = 64 << 20,
+    def broadcast_to(self, group=None, *, src: Optional[int] = None, bucket_bytes: Optional[int] = None,
                      transport=None) -> None:
         """Also send every version from now on to the :class:`Relay` of each
         other node in the ``torch.distributed`` process ``group`` (None: the
         default group); ``src``: this process's global rank (default). A
         collective: every relay of the group constructs its ``Relay`` (or
-        calls ``rejoin``) meanwhile. Each ``publish()`` then broadcasts the
-        snapshot in ``bucket_bytes`` pieces after publishing it here; a
-        broadcast that fails raises :class:`BroadcastError` and later
-        publishes stay local until ``broadcast_to`` is called with a new
-        group. Direct mode only. ``transport``: another
+        calls ``rejoin``) meanwhile. Each ``publish()`` then copies the
+        snapshot and broadcasts it in ``bucket_bytes`` pieces (default 128
+        MiB: Note [bucket size of a broadcast] in _broadcast.py), each piece
+        as soon as it is copied, and returns once the broadcast completed
+        here; one that fails or does not complete within the publisher's
+        ``timeout`` raises :class:`BroadcastError` (the version is published
+        here) and later publishes stay local until ``broadcast_to`` is
+        called with a new group. Direct mode only. ``transport``: another
         :class:`torch_ipc.Transport` instead of torch.distributed over ``group``
         (Note [cross-node transport]). See Note [relaying weights to other
         nodes] in relay.py."""
@@ -323,11 +332,12 @@ class Publisher(Closeable):
             raise ValueError("torch_ipc.weights: broadcast_to() needs a direct-mode Publisher "
                              "(it broadcasts from the snapshot)")
         from .._dist import transport_for
-        from ._broadcast import Broadcaster
+        from ._broadcast import DEFAULT_BUCKET_BYTES, Broadcaster
 
         self._broadcaster = None
         self._broadcaster = Broadcaster(self._buffer, self.layout, transport_for(transport, group), src,
-                                        bucket_bytes, self.version, self.timeout)
+                                        DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes, self.version,
+                                        self.timeout)
 
     def _broadcast(self, version: int) -> None:
         """Broadcast the snapshot as `version` again (no local publish)."""

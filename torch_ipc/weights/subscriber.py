@@ -172,10 +172,8 @@ class Subscriber(Closeable):
         else:
             version = self._enter_read(newer_than, deadline)
             try:
-                self._after_publish()
                 try:
-                    plan.copy().run()
-                    plan.run_transforms()
+                    self._copy_direct(plan)
                 finally:  # whatever was queued must finish before the publisher overwrites
                     self._record_done()
             finally:
@@ -184,6 +182,22 @@ class Subscriber(Closeable):
         self.stats["pulls"] += 1
         self.stats["last_pull_us"] = (time.perf_counter() - start) * 1e6
         return version
+
+    def _copy_direct(self, plan: PullPlan) -> None:
+        """Queue the copies of the snapshot; a relay's version still landing
+        range by range, each range after its own event (Note [pulling a
+        relayed version as it lands] in relay.py)."""
+        events = self._share.range_events
+        if events and not events[-1].query():  # recorded in order: the last one done, all are
+            for k, ((lo, hi), event) in enumerate(zip(self._share.ranges, events)):
+                self._after_publish(event)
+                plan.copy_range(k, lo, hi).run()
+            self._after_publish()
+            plan.copy_rest().run()
+        else:
+            self._after_publish()
+            plan.copy().run()
+        plan.run_transforms()
 
     def _plan(self, into: Any) -> PullPlan:
         cached = self._plans.get(id(into))
