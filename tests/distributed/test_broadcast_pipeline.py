@@ -67,6 +67,39 @@ def test_a_publish_with_relays_writes_the_same_snapshot_as_without(dtype):
             closing.close()
 
 
+def test_a_relay_joining_late_gets_the_current_version_then_pipelined_ones_in_other_buckets():
+    """Three versions to relay A in buckets of 512 bytes; then a new group
+    (buckets of 768) where A rejoins and B joins: B starts from version 3,
+    and version 4, copied in the new ranges, reaches both bit for bit."""
+    from torch_ipc.weights import Publisher, Relay
+
+    gen = torch.Generator().manual_seed(6)
+    weights = _odd_weights(gen)
+    pub, plain = Publisher(weights), Publisher(weights)
+    first = th.Hub(2)
+    pub.broadcast_to(transport=first.transport(0), bucket_bytes=512)
+    a = Relay(transport=first.transport(1), src=0)
+    relays = [a]
+    try:
+        for version in range(1, 4):
+            _refill(weights, gen)
+            pub.publish()
+            assert a.receive() == version
+        second = th.Hub(3)
+        pub.broadcast_to(transport=second.transport(0), bucket_bytes=768)  # sends version 3 (buffered)
+        a.rejoin(transport=second.transport(1), src=0)
+        b = Relay(transport=second.transport(2), src=0)
+        relays.append(b)
+        assert a.receive() == b.receive() == 3 and _snapshot(b._publisher) == _snapshot(pub)
+        _refill(weights, gen)
+        assert pub.publish() == plain.publish() + 3 == 4
+        assert a.receive() == b.receive() == 4
+        assert _snapshot(a._publisher) == _snapshot(b._publisher) == _snapshot(pub) == _snapshot(plain)
+    finally:
+        for closing in (*relays, pub, plain):
+            closing.close()
+
+
 def test_a_relay_that_stops_receiving_fails_the_publish_within_the_timeout():
     """A relay process alive but no longer receiving (gloo, 32 MB, more than
     the sockets buffer): publish() publishes here, then raises BroadcastError

@@ -100,11 +100,12 @@ def check_fits(total_bytes: int, device: torch.device) -> None:
 # work is polled spinning first (SPIN_S: the host has nothing else to do and
 # a late return delays the next step), then sleeping at most POLL_S between
 # polls; a relay waits for a header the same way. Host memory (gloo) is
-# polled sleeping up to 1 ms: spinning would take the CPU gloo's threads
-# need. Only once a work completed does wait() order the current stream after
-# it, so a dead relay never blocks the trainer's current stream.
+# polled without spinning (it would take the CPU gloo's threads need). Only
+# once a work completed does wait() order the current stream after it, so a
+# dead relay never blocks the trainer's current stream.
 SPIN_S = 0.05
 POLL_S = 1e-4
+CLOSE_S = 5.0  # a relay in serve() takes a CLOSE at once; a dead one never does
 
 # Note [bucket size of a broadcast]
 # Measured on two H100s (NVLink, 1.5 GiB): the wire moves ~340 GB/s (64 MiB
@@ -122,18 +123,17 @@ POLL_S = 1e-4
 DEFAULT_BUCKET_BYTES = 128 << 20
 
 
-def await_work(work: Any, tensor: torch.Tensor, deadline: Optional[float]) -> None:
+def await_work(work: Any, tensor: torch.Tensor, deadline: Optional[float], max_sleep: float = POLL_S) -> None:
     """Note [posting a version ahead]: poll `work` (a broadcast) until done."""
-    if tensor.device.type == "cuda":
-        _dist.finish(work, tensor, deadline, poll=True, max_sleep=POLL_S, spin_s=SPIN_S)
-    else:
-        _dist.finish(work, tensor, deadline, poll=True)
+    spin = SPIN_S if tensor.device.type == "cuda" else 0.0
+    _dist.finish(work, tensor, deadline, poll=True, max_sleep=max_sleep, spin_s=spin)
 
 
 def receive_header(transport: Transport, src: int) -> List[int]:
-    """A relay's wait for the next header (as long as it takes; Ctrl-C interrupts)."""
+    """A relay's wait for the next header (as long as it takes; Ctrl-C
+    interrupts); between versions a CPU relay polls every 1 ms."""
     t = _dist.to_control(torch.zeros(HEADER_WORDS, dtype=torch.int64), transport)
-    await_work(transport.broadcast(t, src), t, None)
+    await_work(transport.broadcast(t, src), t, None, POLL_S if t.device.type == "cuda" else 1e-3)
     return t.tolist()
 
 
@@ -213,10 +213,11 @@ class Broadcaster:
         self.finish(time.monotonic() + self.timeout)
 
     def close(self) -> None:
-        """Tell the relays that no version follows (their serve() returns)."""
+        """Tell the relays that no version follows (their serve() returns);
+        waits CLOSE_S at most for a relay to take it."""
         try:
             self.finish(time.monotonic() + self.timeout)
             self.post(0, kind=CLOSE)
-            self.finish(time.monotonic() + self.timeout)
+            self.finish(time.monotonic() + min(self.timeout, CLOSE_S))
         except Exception:
             pass  # a broken group: the relays learn it from their own receive
