@@ -25,11 +25,13 @@ broadcast           The trainer's broadcast of a version (header + bucketed
                     has published it on its node, between two barriers.
                     Raw: one torch.distributed.broadcast of the same bytes
                     between the same barriers. Target: >= 90%. Also: the
-                    whole publish() (local snapshot copy + broadcast).
+                    whole publish() (the snapshot copied range by range,
+                    each range's broadcast started after its copy).
 latency             One version end to end: from before publish() on the
                     trainer to the return of pull() in the inference process
-                    on the relay's node (a subscriber of the relay), the model
-                    in its own memory; raw: the raw broadcast above.
+                    on the relay's node (a subscriber of the relay, copying
+                    each bucket as it lands), the model in its own memory;
+                    raw: the raw broadcast above.
 local pull          pull() of the version in the inference process on the
                     relay's node against one device copy of the same bytes
                     there (3 back to back, CUDA events on a GPU). Target:
