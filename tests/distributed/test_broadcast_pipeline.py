@@ -131,3 +131,17 @@ def test_ctrl_c_ends_a_publish_waiting_for_a_stuck_relay():
         start = time.monotonic()
         assert trainer.call(dh.trainer_publish_interrupted, 0.5) < 5.0
         assert time.monotonic() - start < 10.0
+
+
+@pytest.mark.parametrize("n", [1, 12, 64, 65, 130, 1000])
+def test_a_relays_events_cover_its_buckets_in_order_and_stay_few(n):
+    """Note [pulling a relayed version as it lands]: at most MAX_RANGE_EVENTS
+    events, each the union of consecutive buckets, together the whole snapshot."""
+    from torch_ipc.weights._broadcast import MAX_RANGE_EVENTS, buckets, event_ranges
+
+    ranges = buckets(n * 512 - 256, 512)
+    per, events = event_ranges(ranges)
+    assert len(events) <= MAX_RANGE_EVENTS and len(events) == -(-n // per)
+    assert events[0][0] == 0 and events[-1][1] == ranges[-1][1]
+    assert all(a[1] == b[0] for a, b in zip(events, events[1:]))
+    assert all(events[k // per][0] <= lo and hi <= events[k // per][1] for k, (lo, hi) in enumerate(ranges))

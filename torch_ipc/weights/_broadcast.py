@@ -123,6 +123,17 @@ CLOSE_S = 5.0  # a relay in serve() takes a CLOSE at once; a dead one never does
 DEFAULT_BUCKET_BYTES = 128 << 20
 
 
+MAX_RANGE_EVENTS = 64  # a relay's events per snapshot: each subscriber opens them all (~150 us each)
+
+
+def event_ranges(ranges: List[Tuple[int, int]]) -> Tuple[int, List[Tuple[int, int]]]:
+    """(buckets per event, the byte range of each event) for a relay's
+    snapshot broadcast in `ranges` (Note [pulling a relayed version as it
+    lands] in relay.py): consecutive buckets share an event past MAX_RANGE_EVENTS."""
+    per = max(1, -(-len(ranges) // MAX_RANGE_EVENTS))
+    return per, [(ranges[i][0], ranges[min(i + per, len(ranges)) - 1][1]) for i in range(0, len(ranges), per)]
+
+
 def await_work(work: Any, tensor: torch.Tensor, deadline: Optional[float], max_sleep: float = POLL_S) -> None:
     """Note [posting a version ahead]: poll `work` (a broadcast) until done."""
     spin = SPIN_S if tensor.device.type == "cuda" else 0.0

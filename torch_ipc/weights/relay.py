@@ -41,8 +41,9 @@ them, so a subscriber's copies queue at once and run once the last byte
 landed. That left the subscriber's whole copy (1.95 ms for 1.5 GiB on an
 H100) after the wire (4.5 ms over NVLink): publish -> remote pull at 58% of
 a raw broadcast. So the relay's snapshot also has one IpcEvent per bucket
-(``Publisher.range_events``, sent in the Share), recorded after that
-bucket's broadcast; a pull that finds the last one not yet complete queues
+(``Publisher.range_events``, sent in the Share; consecutive buckets share
+one past MAX_RANGE_EVENTS, as each subscriber opens them all), recorded
+after that bucket's broadcast; a pull that finds the last one not yet complete queues
 bucket k's copies behind event k (then the copies into non-contiguous
 destinations and the transforms behind the publish event), so it copies
 bucket k while bucket k + 1 is on the wire and finishes one bucket's copy
@@ -141,10 +142,11 @@ class Relay(Closeable):
         self._transport, self.src, self._ranges = transport, src, wire.buckets(layout.total_bytes, bucket)
         with self._lock:
             old = self._publisher
+            self._per_event, events = wire.event_ranges(self._ranges)
             if old is None or old.layout != local or old.device != device or \
-                    (old.range_events and list(old.ranges) != self._ranges):
+                    (old.range_events and list(old.ranges) != events):
                 self._replace_publisher(Publisher._for_layout(local, device, max_subscribers=self._max_subscribers,
-                                                              timeout=self.timeout, ranges=self._ranges))
+                                                              timeout=self.timeout, ranges=events))
         self._transport.check_device(self._publisher._buffer)
 
     def rejoin(self, group: Any = None, src: int = 0, *, transport: Optional[_dist.Transport] = None) -> None:
@@ -267,8 +269,8 @@ class Relay(Closeable):
         for k, (work, tensor) in enumerate(works):
             if tensor.device.type == "cuda":
                 work.wait()
-                if events:
-                    events[k].record()  # Note [pulling a relayed version as it lands]
+                if events and ((k + 1) % self._per_event == 0 or k + 1 == len(works)):
+                    events[k // self._per_event].record()  # Note [pulling a relayed version as it lands]
             else:
                 try:
                     wire.await_work(work, tensor, deadline)
