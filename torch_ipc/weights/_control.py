@@ -159,10 +159,11 @@ def word_alive(word: int) -> bool:
     return word > 0 and _C.life_key_alive((word >> _PID_BITS) & ((1 << _KEY_BITS) - 1))
 
 
-def spin_until(ready: Callable[[], bool], check: Callable[[], None], deadline: float) -> None:
-    """Wait for `ready()`, spinning first then sleeping up to 1 ms; `check()`
-    runs every ~10 ms (it raises when the other side died); TimeoutError after
-    `deadline` (time.monotonic())."""
+def spin_until(ready: Callable[[], bool], check: Callable[[], None], deadline: float,
+               max_sleep: float = 1e-3) -> None:
+    """Wait for `ready()`, spinning first then sleeping up to `max_sleep`;
+    `check()` runs every ~10 ms (it raises when the other side died);
+    TimeoutError after `deadline` (time.monotonic())."""
     delay, checked = 0.0, time.monotonic()
     while not ready():
         now = time.monotonic()
@@ -174,4 +175,4 @@ def spin_until(ready: Callable[[], bool], check: Callable[[], None], deadline: f
             raise TimeoutError("torch_ipc.weights: timed out waiting for the other side")
         if delay:
             time.sleep(delay)
-        delay = min(max(delay * 2, 2e-5), 1e-3)
+        delay = min(max(delay * 2, 2e-5), max_sleep)

@@ -48,9 +48,18 @@ bucket k's copies behind event k (then the copies into non-contiguous
 destinations and the transforms behind the publish event), so it copies
 bucket k while bucket k + 1 is on the wire and finishes one bucket's copy
 after the last byte. A version that already landed is one copy as before.
+The relay publishes once it posted every bucket (~0.1-0.25 ms of host each),
+so buckets that landed before a subscriber queued its copies are copied in
+a burst that must catch up with the wire: such a subscriber polls for the
+publish every 0.2 ms at most (1 ms otherwise), and fewer, larger buckets
+publish sooner (Note [bucket size of a broadcast] in _broadcast.py).
 Safety is the direct mode's: a subscriber reads a byte only after the event
 recorded once it landed, and the next version's write waits for its done
-event; events record in stream order, so a torn version is never read.
+event; events record in stream order, so a torn version is never read while
+the group works. As before, a relay publishes a CUDA version before its
+bytes landed: a transfer cut off mid-way (the trainer died) leaves the
+copies waiting on the GPU until NCCL's watchdog aborts the relay (then they
+may run on what landed; its subscribers get PublisherGoneError).
 Why not a bucketed relay by default, which pipelines the same way: the
 relay then waits (host) for every subscriber to take every bucket, so an
 engine that is not in pull() holds back the relay, the group's broadcast

@@ -221,8 +221,10 @@ class Subscriber(Closeable):
                 if version > newer_than:
                     return version
             c.store(reading, 0)
+            # a relay's version is published long before it landed: noticing it late delays
+            # the copies of the pieces already there (Note [pulling a relayed version as it lands])
             ctl.spin_until(lambda: not c.load(ctl.WRITING) and c.load(ctl.PUBLISHED) > newer_than,
-                           self._check_publisher, deadline)
+                           self._check_publisher, deadline, 2e-4 if self._share.range_events else 1e-3)
 
     def _stream_device(self) -> torch.device:
         """The device whose current stream runs the copies: the model's."""
