@@ -115,6 +115,17 @@ def trainer_publish_interrupted(after_s: float) -> float:
     raise AssertionError("publish() returned before the SIGINT")
 
 
+def trainer_send_part(version: int, pieces: int) -> None:
+    """What a trainer that dies mid-broadcast sent: the header of `version`
+    and the first `pieces` buckets of its snapshot (the test then kills it)."""
+    from torch_ipc.weights import _broadcast as wire
+
+    pub = STATE["pub"]
+    dist.broadcast(torch.tensor([wire.MAGIC, wire.VERSION, version, pub.layout.total_bytes]), src=0)
+    for lo, hi in pub._broadcaster.ranges[:pieces]:
+        dist.broadcast(pub._buffer[lo:hi], src=0)
+
+
 def trainer_rejoin(url: str, world: int) -> None:
     init_group(url, 0, world)
     STATE["pub"].broadcast_to(bucket_bytes=STATE["bucket_bytes"])
@@ -128,9 +139,9 @@ def trainer_close() -> None:
 # ----------------------------------------------------------------------------- relay
 
 def relay_start(url: str, rank: int, world: int, address: str, authkey: bytes, bucketed: bool = False,
-                backend: str = "gloo") -> int:
+                backend: str = "gloo", stream=None) -> int:
     init_group(url, rank, world, backend)
-    relay = Relay(src=0, bucketed=bucketed, timeout=30.0)
+    relay = Relay(src=0, bucketed=bucketed, timeout=30.0, stream=stream)
     if os.path.exists(address):
         os.unlink(address)  # the socket file of a relay killed before
     relay.listen(address, authkey=authkey)
@@ -176,6 +187,20 @@ def sub_pull_versions(last: int, timeout: float = 60.0) -> Dict[int, Dict[str, b
         version = sub.pull(model, newer_than=version, timeout=timeout)
         seen[version] = bits(model)
     return seen
+
+
+def sub_pull_streams(last: int, timeout: float = 60.0):
+    """sub_pull_versions, and how many pulls copied a version while it landed."""
+    return sub_pull_versions(last, timeout), HELD["sub"].stats["streamed"]
+
+
+def sub_pull_cut_off(newer_than: int) -> str:
+    """A pull of a version cut off on its way: the BroadcastError's text."""
+    try:
+        HELD["sub"].pull(HELD["model"], newer_than=newer_than, timeout=60.0)
+    except BroadcastError as e:
+        return str(e)
+    raise AssertionError("a pull of a version cut off on its way did not raise BroadcastError")
 
 
 def sub_pull_gone() -> str:

@@ -5,6 +5,7 @@ must stay the same bytes a plain publish writes, and its waits are bounded
 and interruptible."""
 
 import multiprocessing as mp
+import re
 import time
 
 import distributed_helpers as dh
@@ -145,3 +146,58 @@ def test_a_relays_events_cover_its_buckets_in_order_and_stay_few(n):
     assert events[0][0] == 0 and events[-1][1] == ranges[-1][1]
     assert all(a[1] == b[0] for a, b in zip(events, events[1:]))
     assert all(events[k // per][0] <= lo and hi <= events[k // per][1] for k, (lo, hi) in enumerate(ranges))
+
+
+def test_a_streaming_relays_subscribers_pull_every_version_bit_for_bit_while_it_lands():
+    """A streaming relay on the CPU (Relay(stream=True); the default on NCCL)
+    with 64 buckets a version, a subscriber pulling continuously: every
+    version it pulls is the trainer's bit for bit, some copied while they
+    landed; a bf16 subscriber converts as usual."""
+    url, last = dh.group_url(), 12
+    with PeerGroup(timeout=90.0) as group:
+        trainer, relay = group.get("trainer"), group.get("relay")
+        (address, key) = wh.listener_address()
+        trainer.start_call(dh.trainer_start, url, 2, big=64 * 512 - 100, bucket_bytes=512)
+        relay.call(dh.relay_start, url, 1, 2, address, key, stream=True)
+        relay.start_call(dh.relay_serve)
+        expected = trainer.result()
+        subs = []
+        for i, dtype in enumerate((torch.float32, torch.bfloat16)):
+            peer = group.get(f"sub{i}")
+            peer.call(wh.sub_attach, address, key, dtype=dtype, big=64 * 512 - 100)
+            peer.start_call(dh.sub_pull_streams, last)
+            subs.append((peer, str(dtype).split(".")[1]))
+        expected.update(trainer.call(dh.trainer_publish, last - 1, seed=3))
+        streamed = 0
+        for peer, name in subs:
+            seen, n = peer.result()
+            streamed += n
+            assert max(seen) == last
+            for version, pulled in seen.items():
+                assert pulled == expected[version][name], (name, version)
+        assert streamed > 0, "no pull met a version while it landed"
+        trainer.call(dh.trainer_close)
+        assert relay.result() == last
+
+
+def test_a_version_cut_off_on_its_way_fails_a_streaming_pull_with_broadcast_error():
+    """The trainer sends version 2's header and 4 of its 45 buckets, then is
+    killed: a subscriber that was copying it gets BroadcastError naming the
+    cut, and the relay's serve() fails keeping version 1."""
+    url, (address, key) = dh.group_url(), wh.listener_address()
+    with PeerGroup(timeout=90.0) as group:
+        trainer, relay, sub = group.get("trainer"), group.get("relay"), group.get("sub")
+        trainer.start_call(dh.trainer_start, url, 2, big=20 * 512, bucket_bytes=512)
+        relay.call(dh.relay_start, url, 1, 2, address, key, stream=True)
+        relay.start_call(dh.relay_serve)
+        expected = trainer.result()
+        sub.call(wh.sub_attach, address, key, big=20 * 512)
+        assert sub.call(dh.sub_pull_versions, 1)[1] == expected[1]["float32"]
+        sub.start_call(dh.sub_pull_cut_off, 1)
+        trainer.call(dh.trainer_send_part, 2, 4)
+        time.sleep(1.0)  # the subscriber copies what came meanwhile
+        trainer.kill()
+        message = sub.result()
+        cut = re.search(r"version 2 was cut off on its way to this node after (\d+) of 45 pieces", message)
+        assert cut and int(cut.group(1)) <= 4, message  # gloo may not deliver the last ones sent
+        assert relay.result() == ("broken", 1)

@@ -26,6 +26,9 @@ from .. import _C, _process
 #     host-side queueing of a pull, or an open view()), then its stream waits
 #     on DONE_EVENT[r]; queue the snapshot copy; record the publish event;
 #     PUBLISHED = v + 1; WRITING = 0.
+# A streaming relay (Note [pulling a relayed version as it lands] in relay.py)
+# sets WRITING = STREAMING inside its window, once STREAM_VERSION and
+# BUCKET_SEQ are stored: a pull may then read the pieces BUCKET_SEQ counts.
 # Each side stores its flag and then loads the other's, seq_cst (Dekker), so
 # at least one of them sees the other: a pull either finishes queueing before
 # the publisher writes (and the GPU orders the write after the copy through
@@ -90,6 +93,7 @@ MAGIC_VALUE = 0x7765_6967_6874_7303  # "weights" and layout version 3
 _MAGIC_OF_VERSION_2 = 0x7765_6967_6874_7302
 MAGIC, PUBLISHED, WRITING, BUCKET_SEQ, STREAM_BASE, STREAM_VERSION, MEMBERS, PUBLISHER = range(8)
 HEADER = 8
+STREAMING = 2  # WRITING's value while a relay's version lands piece by piece (relay.py)
 OWNER, READING, PULLS, TAKEN = range(4)
 SLOT_WORDS = 4
 MAX_SUBSCRIBERS = 62  # MEMBERS is a bitmask in one int64

@@ -135,6 +135,11 @@ class PullPlan:
             self._copies[key] = BatchedCopy(pairs)
         return self._copies[key]
 
+    @property
+    def needs_whole(self) -> bool:
+        """Whether some destination needs whole tensors (not contiguous, or a transform)."""
+        return bool(self._whole or self.transforms)
+
     def copy_rest(self) -> BatchedCopy:
         """The copies into destinations that are not contiguous (whole tensors)."""
         if ("rest", 0) not in self._copies:

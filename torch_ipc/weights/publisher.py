@@ -77,14 +77,14 @@ class Publisher(Closeable):
         """A publisher of `layout` with no source tensors: whoever makes it
         fills the buffer through _publish_direct/_publish_bucketed's `fill`
         (a weights Relay). ``ranges``: byte ranges of a direct-mode snapshot
-        that the filler records ``range_events[k]`` after (Note [pulling a
-        relayed version as it lands] in relay.py)."""
+        that the filler streams, recording ``range_events[k]`` after each
+        (Note [pulling a relayed version as it lands] in relay.py)."""
         self = cls.__new__(cls)
         self.device, self.timeout = device, timeout
         self._setup(layout, None, max_subscribers)
-        if not layout.bucket_bytes and device.type == "cuda":
+        if ranges and not layout.bucket_bytes:
             self.ranges = tuple(tuple(r) for r in ranges)
-            self.range_events = tuple(new_event(device) for _ in self.ranges)
+            self.range_events = tuple(new_event(device) for _ in self.ranges)  # None each on CPU
         return self
 
     def _setup(self, layout: Layout, tensors: Optional[Dict[str, torch.Tensor]], max_subscribers: int) -> None:
