@@ -201,3 +201,48 @@ def test_a_version_cut_off_on_its_way_fails_a_streaming_pull_with_broadcast_erro
         cut = re.search(r"version 2 was cut off on its way to this node after (\d+) of 45 pieces", message)
         assert cut and int(cut.group(1)) <= 4, message  # gloo may not deliver the last ones sent
         assert relay.result() == ("broken", 1)
+
+
+@pytest.mark.cuda
+def test_a_streaming_relay_on_a_gpu_gives_a_pulling_subscriber_every_version_bit_for_bit():
+    """One GPU, the in-memory transport, threads for the two sides: a
+    streaming relay of CUDA weights (~2000 buckets a version, events shared
+    by 32) and a subscriber pulling all the while; every version pulled is
+    the trainer's bit for bit, some copied while they landed."""
+    from torch_ipc.weights import Publisher, Relay, Subscriber
+
+    gen, last = torch.Generator().manual_seed(8), 5
+    weights = {n: t.cuda() for n, t in dict(_odd_weights(gen), huge=torch.randn(1 << 18, generator=gen)).items()}
+    pub = Publisher(weights)
+    hub = th.Hub(2)
+    pub.broadcast_to(transport=hub.transport(0), bucket_bytes=512)
+    relay = Relay(transport=hub.transport(1), src=0, stream=True)
+    a, b = mp.Pipe()
+    relay.attach(a)
+    sub = Subscriber(b, timeout=60.0)
+    model = {n: torch.zeros(t.shape, device="cuda") for n, t in weights.items()}
+    expected = {}
+
+    def publish_and_relay():
+        for version in range(1, last + 1):
+            for t in weights.values():
+                t.copy_(torch.randn(t.shape, generator=gen))
+            expected[version] = wh.bits(weights)
+            assert pub.publish() == version and relay.receive() == version
+
+    def pull_all():
+        seen, version = {}, 0
+        while version < last:
+            version = sub.pull(model, newer_than=version, timeout=60.0)
+            torch.cuda.synchronize()
+            seen[version] = wh.bits(model)
+        return seen
+
+    try:
+        assert len(relay._publisher.range_events) <= 64 < len(pub._broadcaster.ranges)
+        _, seen = th.run_ranks([publish_and_relay, pull_all], timeout=120.0)
+        assert max(seen) == last and all(seen[v] == expected[v] for v in seen)
+        assert sub.stats["streamed"] > 0
+    finally:
+        for closing in (sub, relay, pub):
+            closing.close()

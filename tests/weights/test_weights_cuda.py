@@ -267,7 +267,7 @@ def test_a_relayed_snapshot_is_pulled_range_by_range_as_it_lands():
     shapes = {"a": (3000,), "t": (30, 40), "b": (7, 129), "s": ()}
     layout = Layout.build([(n, torch.float32, s) for n, s in shapes.items()])
     ranges = buckets(layout.total_bytes, 1024)
-    pub = Publisher._for_layout(layout, torch.device("cuda"), max_subscribers=2, timeout=10.0, ranges=ranges)
+    pub = Publisher._for_layout(layout, torch.device("cuda", 0), max_subscribers=2, timeout=10.0, ranges=ranges)
     a, b = mp.Pipe()
     pub.attach(a)
     sub = Subscriber(b, timeout=10.0)
