@@ -16,10 +16,11 @@ trainer's version number, so versions are the same end to end:
   direct mode (default): the buckets land in the local snapshot itself,
     inside the Publisher's write window (Note [weights consistency
     protocol] in _control.py): no staging memory; local pulls of the
-    previous version run until the header of the next one arrives; pulls of
-    the new one copy each bucket as it lands (Note [pulling a relayed
-    version as it lands]). A broadcast cut off half way leaves WRITING set
-    (Note [a torn snapshot stays unpublished] in publisher.py).
+    previous version run until the header of the next one arrives; on a
+    streaming relay pulls of the new one copy each bucket as it lands (Note
+    [pulling a relayed version as it lands]). A broadcast cut off half way
+    leaves WRITING set (Note [a torn snapshot stays unpublished] in
+    publisher.py).
   bucketed (``Relay(..., bucketed=True)``): the local Publisher is in
     bucketed mode with the broadcast's bucket size, and each bucket lands in
     a staging half that the local subscribers copy out of while the next

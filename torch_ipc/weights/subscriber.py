@@ -212,9 +212,12 @@ class Subscriber(Closeable):
         model then holds part of it)."""
         c, ranges, events = self._counters, self._share.ranges, self._share.range_events
         for j, ((lo, hi), event) in enumerate(zip(ranges, events)):
-            # seq_cst: WRITING left STREAMING only after the last count was stored
-            ctl.spin_until(lambda: c.load(ctl.BUCKET_SEQ) > j or c.load(ctl.WRITING) != ctl.STREAMING,
-                           self._check_publisher, deadline, 2e-4)
+            try:  # seq_cst: WRITING left STREAMING only after the last count was stored
+                ctl.spin_until(lambda: c.load(ctl.BUCKET_SEQ) > j or c.load(ctl.WRITING) != ctl.STREAMING,
+                               self._check_publisher, deadline, 2e-4)
+            except PublisherGoneError:
+                raise self._gone(f" during the pull of version {version} after {j} of {len(ranges)} pieces "
+                                 "(a streaming relay: the model holds part of it)") from None
             if c.load(ctl.BUCKET_SEQ) <= j:
                 raise BroadcastError(
                     f"torch_ipc.weights: version {version} was cut off on its way to this node after {j} of "
