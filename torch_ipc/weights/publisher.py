@@ -12,6 +12,7 @@ from .._closing import Closeable
 from ..pool import SharedPool
 from . import _control as ctl
 from ._copy import BatchedCopy
+from ._errors import send_failed
 from ._events import new_event
 from ._layout import Layout, typed_view
 from ._share import Share, named_tensors, send
@@ -323,7 +324,9 @@ class Publisher(Closeable):
         here; one that fails or does not complete within the publisher's
         ``timeout`` raises :class:`BroadcastError` (the version is published
         here) and later publishes stay local until ``broadcast_to`` is
-        called with a new group. Direct mode only. ``transport``: another
+        called with a new group; so does ``broadcast_to`` itself when the
+        relays do not take the current version (sent on joining) within
+        ``timeout``. Direct mode only. ``transport``: another
         :class:`torch_ipc.Transport` instead of torch.distributed over ``group``
         (Note [cross-node transport]). See Note [relaying weights to other
         nodes] in relay.py."""
@@ -335,9 +338,12 @@ class Publisher(Closeable):
         from ._broadcast import DEFAULT_BUCKET_BYTES, Broadcaster
 
         self._broadcaster = None
-        self._broadcaster = Broadcaster(self._buffer, self.layout, transport_for(transport, group), src,
-                                        DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes, self.version,
-                                        self.timeout)
+        try:
+            self._broadcaster = Broadcaster(self._buffer, self.layout, transport_for(transport, group), src,
+                                            DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
+                                            self.version, self.timeout)
+        except TimeoutError as e:  # the current version, sent on joining, was not taken in time
+            raise send_failed(self.version, "its broadcast to the relays", "broadcast_to", e) from e
 
     def _broadcast(self, version: int) -> None:
         """Broadcast the snapshot as `version` again (no local publish)."""
@@ -345,8 +351,6 @@ class Publisher(Closeable):
 
     def _finish_broadcast(self, version: int, step) -> None:
         """`step(broadcaster)`; what fails there is the BroadcastError of `version`."""
-        from ._errors import send_failed
-
         try:
             step(self._broadcaster)
         except Exception as e:
