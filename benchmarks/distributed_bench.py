@@ -8,6 +8,7 @@ inference process on rank 1's node.
     python benchmarks/distributed_bench.py --budget-s 120               # CPU, gloo, full sizes
     python benchmarks/distributed_bench.py --device cuda --backend gloo --budget-s 170   # one GPU
     python benchmarks/distributed_bench.py --device cuda --backend nccl --budget-s 170   # two GPUs, one per rank
+    ... --relay-stream off    # the relay's subscriber copies a version only once it landed (default with NCCL: on)
 
 Each row is printed as soon as it is measured. Each section runs paired
 rounds (torch_ipc and the raw call of the same bytes back to back, their
@@ -25,11 +26,13 @@ broadcast           The trainer's broadcast of a version (header + bucketed
                     has published it on its node, between two barriers.
                     Raw: one torch.distributed.broadcast of the same bytes
                     between the same barriers. Target: >= 90%. Also: the
-                    whole publish() (local snapshot copy + broadcast).
+                    whole publish() (the snapshot copied range by range,
+                    each range's broadcast started after its copy).
 latency             One version end to end: from before publish() on the
                     trainer to the return of pull() in the inference process
-                    on the relay's node (a subscriber of the relay), the model
-                    in its own memory; raw: the raw broadcast above.
+                    on the relay's node (a subscriber of the relay, copying
+                    each bucket as it lands), the model in its own memory;
+                    raw: the raw broadcast above.
 local pull          pull() of the version in the inference process on the
                     relay's node against one device copy of the same bytes
                     there (3 back to back, CUDA events on a GPU). Target:
@@ -238,7 +241,7 @@ def relay(cfg, attach_conn):
     dist, device = _init(cfg, 1), _device(cfg, 1)
     for _ in rounds(cfg, dist, 1, "local"):
         _timed(dist, device, lambda: None)  # the trainer's local publishes
-    r = Relay(src=0, device=device, timeout=cfg["timeout"])
+    r = Relay(src=0, device=device, timeout=cfg["timeout"], stream=cfg["stream"])
     r.attach(attach_conn)
     r.receive()  # the version sent on joining
     _broadcast_rounds(cfg, dist, 1, device, r._publisher.layout.total_bytes, None,
@@ -393,7 +396,9 @@ def parse_args(argv=None):
                         help="gloo (default on CPU) or nccl (default on CUDA)")
     parser.add_argument("--tensors", type=int, default=384)
     parser.add_argument("--tensor-kib", type=int, default=None)
-    parser.add_argument("--bucket-mib", type=int, default=64)
+    parser.add_argument("--bucket-mib", type=int, default=128, help="broadcast_to's bucket_bytes (its default)")
+    parser.add_argument("--relay-stream", default="auto", choices=["auto", "on", "off"],
+                        help="Relay(stream=...): pulls copy a version while it lands (auto: on with NCCL)")
     parser.add_argument("--kv-blocks", type=int, default=256)
     parser.add_argument("--staging-mib", type=int, default=None, help="KV pieces (send_blocks' staging_bytes)")
     parser.add_argument("--iters", type=int, default=None, help="rounds per section at most (10; --quick: 5)")
@@ -425,6 +430,7 @@ def config(args):
         "tensors": args.tensors,
         "tensor_kib": args.tensor_kib or (64 if args.quick else 4096),
         "bucket_bytes": args.bucket_mib << 20,
+        "stream": {"auto": None, "on": True, "off": False}[args.relay_stream],
         "kv_blocks": args.kv_blocks,
         "staging_bytes": args.staging_mib << 20 if args.staging_mib else _default_staging(args.quick),
         "iters": args.iters or (5 if args.quick else 10),

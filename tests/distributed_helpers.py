@@ -43,11 +43,12 @@ def _expected(weights) -> Dict[str, Dict[str, bytes]]:
 # ----------------------------------------------------------------------------- trainer
 
 def trainer_start(url: str, world: int, device: str = "cpu", seed: int = 0, big: int = 3000,
-                  bucket_bytes: int = 2048, backend: str = "gloo") -> Dict[int, Dict[str, Dict[str, bytes]]]:
+                  bucket_bytes: int = 2048, backend: str = "gloo",
+                  timeout: float = 60.0) -> Dict[int, Dict[str, Dict[str, bytes]]]:
     """Publish version 1 here, then join the group and broadcast it."""
     init_group(url, 0, world, backend)
     weights = make_weights(device, seed=seed, big=big)
-    pub = Publisher(weights)
+    pub = Publisher(weights, timeout=timeout)
     STATE.update(pub=pub, weights=weights, bucket_bytes=bucket_bytes)
     pub.publish()
     pub.broadcast_to(bucket_bytes=bucket_bytes)
@@ -80,6 +81,51 @@ def trainer_publish_into_a_broken_group(seed: int):
     raise AssertionError("publish() into a group with a dead relay did not raise BroadcastError")
 
 
+def trainer_publish_failing():
+    """Publish into a group whose relay stopped receiving: (seconds, version, the BroadcastError's text)."""
+    pub = STATE["pub"]
+    start = time.monotonic()
+    try:
+        pub.publish()
+    except BroadcastError as e:
+        return time.monotonic() - start, pub.version, str(e)
+    raise AssertionError("publish() to a relay that stopped receiving did not raise BroadcastError")
+
+
+def trainer_publish_interrupted(after_s: float) -> float:
+    """Publish; a real SIGINT to this process `after_s` into it: seconds from the signal to the KeyboardInterrupt."""
+    import signal
+    import threading
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    sent = []
+
+    def interrupt():
+        time.sleep(after_s)
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    try:
+        STATE["pub"].publish()
+    except KeyboardInterrupt:
+        return time.monotonic() - sent[0]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    raise AssertionError("publish() returned before the SIGINT")
+
+
+def trainer_send_part(version: int, pieces: int) -> None:
+    """What a trainer that dies mid-broadcast sent: the header of `version`
+    and the first `pieces` buckets of its snapshot (the test then kills it)."""
+    from torch_ipc.weights import _broadcast as wire
+
+    pub = STATE["pub"]
+    dist.broadcast(torch.tensor([wire.MAGIC, wire.VERSION, version, pub.layout.total_bytes]), src=0)
+    for lo, hi in pub._broadcaster.ranges[:pieces]:
+        dist.broadcast(pub._buffer[lo:hi], src=0)
+
+
 def trainer_rejoin(url: str, world: int) -> None:
     init_group(url, 0, world)
     STATE["pub"].broadcast_to(bucket_bytes=STATE["bucket_bytes"])
@@ -93,14 +139,19 @@ def trainer_close() -> None:
 # ----------------------------------------------------------------------------- relay
 
 def relay_start(url: str, rank: int, world: int, address: str, authkey: bytes, bucketed: bool = False,
-                backend: str = "gloo") -> int:
+                backend: str = "gloo", stream=None) -> int:
     init_group(url, rank, world, backend)
-    relay = Relay(src=0, bucketed=bucketed, timeout=30.0)
+    relay = Relay(src=0, bucketed=bucketed, timeout=30.0, stream=stream)
     if os.path.exists(address):
         os.unlink(address)  # the socket file of a relay killed before
     relay.listen(address, authkey=authkey)
     STATE["relay"] = relay
     return os.getpid()
+
+
+def relay_receive():
+    """One version (then this relay stops receiving until told)."""
+    return STATE["relay"].receive()
 
 
 def relay_serve():
@@ -136,6 +187,20 @@ def sub_pull_versions(last: int, timeout: float = 60.0) -> Dict[int, Dict[str, b
         version = sub.pull(model, newer_than=version, timeout=timeout)
         seen[version] = bits(model)
     return seen
+
+
+def sub_pull_streams(last: int, timeout: float = 60.0):
+    """sub_pull_versions, and how many pulls copied a version while it landed."""
+    return sub_pull_versions(last, timeout), HELD["sub"].stats["streamed"]
+
+
+def sub_pull_cut_off(newer_than: int) -> str:
+    """A pull of a version cut off on its way: the BroadcastError's text."""
+    try:
+        HELD["sub"].pull(HELD["model"], newer_than=newer_than, timeout=60.0)
+    except BroadcastError as e:
+        return str(e)
+    raise AssertionError("a pull of a version cut off on its way did not raise BroadcastError")
 
 
 def sub_pull_gone() -> str:

@@ -250,3 +250,54 @@ def test_pull_onto_another_gpu():
         assert bits(model) == bits(weights)
         for t in weights.values():
             t.add_(1)
+
+
+def test_a_relayed_snapshot_is_pulled_range_by_range_as_it_lands():
+    """A relay's publisher (its snapshot's ranges, an event each) whose fill
+    lands each range after a GPU sleep: a pull queued while the bytes are
+    still landing copies each range after its own event (a transposed model
+    tensor after the whole version), bit for bit; once landed, one copy."""
+    import multiprocessing as mp
+    import time
+
+    from torch_ipc.weights import Publisher
+    from torch_ipc.weights._broadcast import buckets
+    from torch_ipc.weights._layout import Layout
+
+    shapes = {"a": (3000,), "t": (30, 40), "b": (7, 129), "s": ()}
+    layout = Layout.build([(n, torch.float32, s) for n, s in shapes.items()])
+    ranges = buckets(layout.total_bytes, 1024)
+    pub = Publisher._for_layout(layout, torch.device("cuda", 0), max_subscribers=2, timeout=10.0, ranges=ranges)
+    a, b = mp.Pipe()
+    pub.attach(a)
+    sub = Subscriber(b, timeout=10.0)
+    model = {n: torch.zeros(s, device="cuda") for n, s in shapes.items()}
+    model["t"] = torch.zeros(40, 30, device="cuda").t()  # not contiguous: copied whole
+    gen = torch.Generator().manual_seed(secrets.randbits(31))
+    try:
+        for version in (1, 2):
+            source = torch.randint(0, 256, (layout.total_bytes,), dtype=torch.uint8, generator=gen).cuda()
+            torch.cuda.synchronize()
+
+            def fill():
+                for k, (lo, hi) in enumerate(ranges):
+                    torch.cuda._sleep(20_000_000)  # ~10 ms a range: the pull is queued long before
+                    pub._buffer[lo:hi].copy_(source[lo:hi])
+                    pub.range_events[k].record()
+
+            pub._publish_direct(time.monotonic() + 10.0, fill=fill, version=version)
+            assert not pub.range_events[-1].query()
+            assert sub.pull(model, newer_than=version - 1) == version
+            plan = sub._plans[id(model)][1]
+            assert ("range", len(ranges) - 1) in plan._copies
+            torch.cuda.synchronize()
+            want = {e.name: source[e.offset : e.offset + e.nbytes].view(torch.float32).view(e.shape)
+                    for e in layout.entries}
+            assert bits(model) == bits(want)
+            model["a"].zero_()
+            assert sub.pull(model) == version and pub.range_events[-1].query()  # landed: one copy
+            torch.cuda.synchronize()
+            assert bits(model) == bits(want)
+    finally:
+        sub.close()
+        pub.close()

@@ -4,7 +4,8 @@ header of int64s and the snapshot's bytes in buckets (Note [relaying weights
 to other nodes] in relay.py)."""
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -86,6 +87,67 @@ def check_fits(total_bytes: int, device: torch.device) -> None:
                          f"{device}'s {room}; refused before allocating")
 
 
+# Note [posting a version ahead]
+# A version goes to the relays as one run of broadcasts, posted back to back
+# and waited for only at the end: the header (never waited for on its own:
+# with NCCL the buckets queue behind it on one stream, with gloo its tag
+# orders it), then the buckets. Each NCCL call costs the host 0.1-0.25 ms
+# (c10d and Python), about a 64 MiB bucket's time on NVLink, so the wire
+# stays busy only if both sides post ahead of it; waiting for the header's
+# round trip first (the relay's host reads it) held every bucket back by it.
+# At the end the trainer polls each work until the deadline (a dead or stuck
+# relay: TimeoutError, then BroadcastError; Ctrl-C interrupts). A CUDA
+# work is polled spinning first (SPIN_S: the host has nothing else to do and
+# a late return delays the next step), then sleeping at most POLL_S between
+# polls; a relay waits for a header the same way. Host memory (gloo) is
+# polled without spinning (it would take the CPU gloo's threads need). Only
+# once a work completed does wait() order the current stream after it, so a
+# dead relay never blocks the trainer's current stream.
+SPIN_S = 0.05
+POLL_S = 1e-4
+CLOSE_S = 5.0  # a relay in serve() takes a CLOSE at once; a dead one never does
+
+# Note [bucket size of a broadcast]
+# Measured on two H100s (NVLink, 1.5 GiB): the wire moves ~340 GB/s (64 MiB
+# in 0.2 ms); each broadcast costs each host 0.1-0.25 ms; the trainer's
+# snapshot copy ~0.8 ms a GiB, a subscriber's pull ~1.3 ms a GiB. With
+# buckets of B bytes the host keeps up with the wire only while a post costs
+# less than a bucket's time (B >= ~85 MiB at 0.25 ms), and the pipelines add
+# about one bucket's copy at each end (the trainer's first range, partly
+# hidden behind the relay reading the header, and the subscriber's last):
+#   64 MiB: 24 posts, ~4.8 ms of host time for 4.5 ms of wire: host-bound;
+#   128 MiB: 12 posts (~2.4 ms, hidden), ~0.1 + 0.16 ms at the ends;
+#   256 MiB: 6 posts, ~0.2 + 0.33 ms at the ends.
+# 128 MiB it is; a bucketed relay's staging is two of them (256 MiB). On a
+# 400 Gb/s network a bucket takes 2.7 ms on the wire: the ends are noise.
+DEFAULT_BUCKET_BYTES = 128 << 20
+
+
+MAX_RANGE_EVENTS = 64  # a relay's events per snapshot: each subscriber opens them all (~150 us each)
+
+
+def event_ranges(ranges: List[Tuple[int, int]]) -> Tuple[int, List[Tuple[int, int]]]:
+    """(buckets per event, the byte range of each event) for a relay's
+    snapshot broadcast in `ranges` (Note [pulling a relayed version as it
+    lands] in relay.py): consecutive buckets share an event past MAX_RANGE_EVENTS."""
+    per = max(1, -(-len(ranges) // MAX_RANGE_EVENTS))
+    return per, [(ranges[i][0], ranges[min(i + per, len(ranges)) - 1][1]) for i in range(0, len(ranges), per)]
+
+
+def await_work(work: Any, tensor: torch.Tensor, deadline: Optional[float], max_sleep: float = POLL_S) -> None:
+    """Note [posting a version ahead]: poll `work` (a broadcast) until done."""
+    spin = SPIN_S if tensor.device.type == "cuda" else 0.0
+    _dist.finish(work, tensor, deadline, poll=True, max_sleep=max_sleep, spin=spin)
+
+
+def receive_header(transport: Transport, src: int) -> List[int]:
+    """A relay's wait for the next header (as long as it takes; Ctrl-C
+    interrupts); between versions a CPU relay polls every 1 ms."""
+    t = _dist.to_control(torch.zeros(HEADER_WORDS, dtype=torch.int64), transport)
+    await_work(transport.broadcast(t, src), t, None, POLL_S if t.device.type == "cuda" else 1e-3)
+    return t.tolist()
+
+
 class Broadcaster:
     """The trainer's side: after each publish, the snapshot to every relay.
 
@@ -94,7 +156,7 @@ class Broadcaster:
     that joins late starts from it."""
 
     def __init__(self, buffer: torch.Tensor, layout: Layout, transport: Transport, src: Optional[int],
-                 bucket_bytes: int, version: int):
+                 bucket_bytes: int, version: int, timeout: float):
         self.transport = transport
         self.transport.check_device(buffer)
         self.src = self.transport.rank if src is None else int(src)
@@ -104,28 +166,69 @@ class Broadcaster:
         bucket_bytes = int(bucket_bytes)
         if bucket_bytes <= 0 or bucket_bytes % 256:
             raise ValueError(f"bucket_bytes must be a positive multiple of 256, not {bucket_bytes}")
-        self.buffer, self.layout = buffer, layout
+        self.buffer, self.layout, self.timeout = buffer, layout, timeout
         self.ranges = buckets(layout.total_bytes, bucket_bytes)
+        self._pending: List[Tuple[Any, torch.Tensor]] = []  # posted, not finished: (work, its tensor)
+        self._error: Optional[BaseException] = None  # a post that failed
         _dist.broadcast_json(self.transport, layout_message(layout, bucket_bytes, buffer.device, version), self.src)
         if version > 0:
             self.send(version)
 
-    def _header(self, kind: int, version: int) -> None:
-        _dist.broadcast_ints(self.transport, [MAGIC, kind, version, self.layout.total_bytes], HEADER_WORDS, self.src)
+    @property
+    def posted(self) -> bool:
+        """Whether a version's broadcasts were started and not finished."""
+        return bool(self._pending) or self._error is not None
+
+    def _post(self, tensor: torch.Tensor) -> None:
+        if self._error is None:
+            try:
+                self._pending.append((self.transport.broadcast(tensor, self.src), tensor))
+            except Exception as e:  # the group broke: finish() raises it
+                self._error = e
+
+    def post(self, version: int, before: Optional[Callable[[int], None]] = None, kind: int = VERSION) -> None:
+        """Start the header and the buckets of `version` (Note [posting a
+        version ahead]); `before(k)`: what must be queued before bucket k is
+        (a publish's copy of its range: Note [pipelined publish and
+        broadcast] in publisher.py). A broadcast that cannot start leaves
+        the rest unposted but every `before(k)` still runs; finish() raises."""
+        if self._pending:  # what an interrupted finish() left: the snapshot must not change under it
+            try:
+                self.finish(time.monotonic() + self.timeout)
+            except Exception as e:
+                self._error = e
+        self._post(_dist.to_control(torch.tensor([MAGIC, kind, version, self.layout.total_bytes],
+                                                 dtype=torch.int64), self.transport))
+        if kind != VERSION:
+            return
+        for k, (lo, hi) in enumerate(self.ranges):
+            if before is not None:
+                before(k)
+            self._post(self.buffer[lo:hi])
+
+    def finish(self, deadline: float) -> None:
+        """Wait for what post() started until `deadline` (time.monotonic());
+        then the current stream is ordered after it (CUDA), so the next
+        publish cannot overwrite bytes still in flight. Raises what failed."""
+        if self._error is not None:
+            error, self._error, self._pending = self._error, None, []
+            raise error
+        while self._pending:  # one at a time: an interrupted wait leaves the rest to the next finish()
+            work, tensor = self._pending[0]
+            await_work(work, tensor, deadline)
+            self._pending.pop(0)
 
     def send(self, version: int) -> None:
-        """Broadcast the snapshot as `version`. The broadcasts are queued
-        after the snapshot copy on the current stream (CUDA) and the current
-        stream waits for them, so the next publish cannot overwrite bytes
-        still in flight."""
-        self._header(VERSION, version)
-        works = [self.transport.broadcast(self.buffer[lo:hi], self.src) for lo, hi in self.ranges]
-        for work in works:
-            work.wait()
+        """Broadcast the snapshot as `version` and wait for it."""
+        self.post(version)
+        self.finish(time.monotonic() + self.timeout)
 
     def close(self) -> None:
-        """Tell the relays that no version follows (their serve() returns)."""
+        """Tell the relays that no version follows (their serve() returns);
+        waits CLOSE_S at most for a relay to take it."""
         try:
-            self._header(CLOSE, 0)
+            self.finish(time.monotonic() + self.timeout)
+            self.post(0, kind=CLOSE)
+            self.finish(time.monotonic() + min(self.timeout, CLOSE_S))
         except Exception:
             pass  # a broken group: the relays learn it from their own receive

@@ -26,6 +26,9 @@ from .. import _C, _process
 #     host-side queueing of a pull, or an open view()), then its stream waits
 #     on DONE_EVENT[r]; queue the snapshot copy; record the publish event;
 #     PUBLISHED = v + 1; WRITING = 0.
+# A streaming relay (Note [pulling a relayed version as it lands] in relay.py)
+# sets WRITING = STREAMING inside its window, once STREAM_VERSION and
+# BUCKET_SEQ are stored: a pull may then read the pieces BUCKET_SEQ counts.
 # Each side stores its flag and then loads the other's, seq_cst (Dekker), so
 # at least one of them sees the other: a pull either finishes queueing before
 # the publisher writes (and the GPU orders the write after the copy through
@@ -90,6 +93,7 @@ MAGIC_VALUE = 0x7765_6967_6874_7303  # "weights" and layout version 3
 _MAGIC_OF_VERSION_2 = 0x7765_6967_6874_7302
 MAGIC, PUBLISHED, WRITING, BUCKET_SEQ, STREAM_BASE, STREAM_VERSION, MEMBERS, PUBLISHER = range(8)
 HEADER = 8
+STREAMING = 2  # WRITING's value while a relay's version lands piece by piece (relay.py)
 OWNER, READING, PULLS, TAKEN = range(4)
 SLOT_WORDS = 4
 MAX_SUBSCRIBERS = 62  # MEMBERS is a bitmask in one int64
@@ -159,10 +163,11 @@ def word_alive(word: int) -> bool:
     return word > 0 and _C.life_key_alive((word >> _PID_BITS) & ((1 << _KEY_BITS) - 1))
 
 
-def spin_until(ready: Callable[[], bool], check: Callable[[], None], deadline: float) -> None:
-    """Wait for `ready()`, spinning first then sleeping up to 1 ms; `check()`
-    runs every ~10 ms (it raises when the other side died); TimeoutError after
-    `deadline` (time.monotonic())."""
+def spin_until(ready: Callable[[], bool], check: Callable[[], None], deadline: float,
+               max_sleep: float = 1e-3) -> None:
+    """Wait for `ready()`, spinning first then sleeping up to `max_sleep`;
+    `check()` runs every ~10 ms (it raises when the other side died);
+    TimeoutError after `deadline` (time.monotonic())."""
     delay, checked = 0.0, time.monotonic()
     while not ready():
         now = time.monotonic()
@@ -174,4 +179,4 @@ def spin_until(ready: Callable[[], bool], check: Callable[[], None], deadline: f
             raise TimeoutError("torch_ipc.weights: timed out waiting for the other side")
         if delay:
             time.sleep(delay)
-        delay = min(max(delay * 2, 2e-5), 1e-3)
+        delay = min(max(delay * 2, 2e-5), max_sleep)

@@ -71,11 +71,17 @@ class Layout:
     def pieces(self, bucket: int) -> Iterator[Tuple[Entry, int, int, int]]:
         """(entry, first element, element count, byte offset in its half) of
         each entry's part in `bucket` (bucketed mode)."""
-        lo, hi = bucket * self.bucket_bytes, (bucket + 1) * self.bucket_bytes
+        lo = bucket * self.bucket_bytes
+        for e, first, count in self.pieces_in(lo, lo + self.bucket_bytes):
+            yield e, first, count, e.offset + first * e.itemsize - lo
+
+    def pieces_in(self, lo: int, hi: int) -> Iterator[Tuple[Entry, int, int]]:
+        """(entry, first element, element count) of each entry's part in the
+        stream's bytes [lo, hi); `lo` and `hi` multiples of ALIGN."""
         for e in self.entries:
             a, b = max(lo, e.offset), min(hi, e.offset + e.nbytes)
             if a < b:
-                yield e, (a - e.offset) // e.itemsize, (b - a) // e.itemsize, a - lo
+                yield e, (a - e.offset) // e.itemsize, (b - a) // e.itemsize
 
 
 def typed_view(buffer: torch.Tensor, byte_offset: int, dtype: torch.dtype, numel: int) -> torch.Tensor:

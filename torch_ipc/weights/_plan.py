@@ -1,7 +1,7 @@
 """The pull plan of one (publisher, model) pair: which published tensor goes
 where in the model, checked once, turned into BatchedCopy launches."""
 
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -111,7 +111,7 @@ class PullPlan:
         devices = {t.device for t in dest.values()}
         self.device = devices.pop() if len(devices) == 1 else buffer.device
         self._layout, self._buffer, self._consumers, self._whole = layout, buffer, consumers, whole
-        self._copies: Dict[Tuple[int, int], BatchedCopy] = {}
+        self._copies: Dict[Tuple[Any, int], BatchedCopy] = {}
         self.sources = {e.name: typed_view(buffer, e.offset, e.dtype, e.numel).view(e.shape) for e in layout.entries} \
             if not layout.bucket_bytes else {}
 
@@ -120,6 +120,31 @@ class PullPlan:
         if key not in self._copies:
             self._copies[key] = BatchedCopy(self._pairs(bucket, half))
         return self._copies[key]
+
+    def copy_range(self, k: int, lo: int, hi: int) -> BatchedCopy:
+        """The copies of a direct-mode snapshot's bytes [lo, hi) into
+        contiguous destinations (Note [pulling a relayed version as it
+        lands] in relay.py); copy_rest() holds the others."""
+        key = ("range", k)
+        if key not in self._copies:
+            pairs = []
+            for e, first, count in self._layout.pieces_in(lo, hi):
+                src = self.sources[e.name].view(-1)[first : first + count]
+                pairs += [(src, flat[start + first : start + first + count])
+                          for flat, start in self._consumers.get(e.name, ())]
+            self._copies[key] = BatchedCopy(pairs)
+        return self._copies[key]
+
+    @property
+    def needs_whole(self) -> bool:
+        """Whether some destination needs whole tensors (not contiguous, or a transform)."""
+        return bool(self._whole or self.transforms)
+
+    def copy_rest(self) -> BatchedCopy:
+        """The copies into destinations that are not contiguous (whole tensors)."""
+        if ("rest", 0) not in self._copies:
+            self._copies[("rest", 0)] = BatchedCopy([(self.sources[name], dst) for name, dst in self._whole])
+        return self._copies[("rest", 0)]
 
     def _pairs(self, bucket: int, half: int):
         layout, pairs = self._layout, []

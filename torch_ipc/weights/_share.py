@@ -22,6 +22,10 @@ class Share:
     publish_event: Any  # IpcEvent or None: recorded after each publish (direct mode)
     staging_events: Tuple[Any, ...]  # (half 0, half 1) in bucketed mode
     done_events: Tuple[Any, ...]  # this subscriber's, recorded after its copies: (direct,) or one per half
+    # a relay's snapshot (Note [pulling a relayed version as it lands] in relay.py): byte ranges of the
+    # snapshot and an IpcEvent per range, recorded once its bytes landed; () otherwise
+    ranges: Tuple[Tuple[int, int], ...] = ()
+    range_events: Tuple[Any, ...] = ()
 
 
 def named_tensors(source, what: str) -> Dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@ publishes each new version with a few counter stores and one launch."""
 
 import secrets
 import time
-from typing import Dict, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import torch
 
@@ -12,6 +12,7 @@ from .._closing import Closeable
 from ..pool import SharedPool
 from . import _control as ctl
 from ._copy import BatchedCopy
+from ._errors import send_failed
 from ._events import new_event
 from ._layout import Layout, typed_view
 from ._share import Share, named_tensors, send
@@ -73,13 +74,18 @@ class Publisher(Closeable):
 
     @classmethod
     def _for_layout(cls, layout: Layout, device: torch.device, *, max_subscribers: int,
-                    timeout: float) -> "Publisher":
+                    timeout: float, ranges=()) -> "Publisher":
         """A publisher of `layout` with no source tensors: whoever makes it
         fills the buffer through _publish_direct/_publish_bucketed's `fill`
-        (a weights Relay)."""
+        (a weights Relay). ``ranges``: byte ranges of a direct-mode snapshot
+        that the filler streams, recording ``range_events[k]`` after each
+        (Note [pulling a relayed version as it lands] in relay.py)."""
         self = cls.__new__(cls)
         self.device, self.timeout = device, timeout
         self._setup(layout, None, max_subscribers)
+        if ranges and not layout.bucket_bytes:
+            self.ranges = tuple(tuple(r) for r in ranges)
+            self.range_events = tuple(new_event(device) for _ in self.ranges)  # None each on CPU
         return self
 
     def _setup(self, layout: Layout, tensors: Optional[Dict[str, torch.Tensor]], max_subscribers: int) -> None:
@@ -94,6 +100,8 @@ class Publisher(Closeable):
         self._bucket_seq = 0
         self._closed = False
         self._broadcaster = None  # Note [relaying weights to other nodes] in relay.py
+        self._by_range = None  # (ranges, their copies): Note [pipelined publish and broadcast]
+        self.ranges, self.range_events = (), ()  # a relay's: see _for_layout
         if self.layout.bucket_bytes:
             self._publish_event = None
             self._staging_events = (new_event(self.device), new_event(self.device))
@@ -137,7 +145,7 @@ class Publisher(Closeable):
         self._done[slot] = done
         descriptor = _serialize.dumps({"buffer": self._buffer, "control": self._block})
         send(conn, Share(descriptor, self.layout, slot, self._counters.load(ctl.PUBLISHER), self._epoch,
-                         self._publish_event, self._staging_events, done))
+                         self._publish_event, self._staging_events, done, self.ranges, self.range_events))
         return slot
 
     def _free_slot(self) -> int:
@@ -172,12 +180,56 @@ class Publisher(Closeable):
         self._check_open()
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout
-        version = self._publish_bucketed(deadline) if self.layout.bucket_bytes else self._publish_direct(deadline)
+        if self.layout.bucket_bytes:
+            version = self._publish_bucketed(deadline)
+        elif self._broadcaster is not None:
+            version = self._publish_and_post(deadline)
+        else:
+            version = self._publish_direct(deadline)
         self.stats["publishes"] += 1
         self.stats["last_publish_us"] = (time.perf_counter() - start) * 1e6
         if self._broadcaster is not None:
-            self._broadcast(version)
+            self._finish_broadcast(version, lambda b: b.finish(time.monotonic() + self.timeout))
         return version
+
+    # Note [pipelined publish and broadcast]
+    # With relays, publish() copies the snapshot range by range, one range
+    # per broadcast bucket, and starts bucket k's broadcast right after the
+    # copy of range k is queued (Note [posting a version ahead] in
+    # _broadcast.py): NCCL's stream waits for the current stream when a
+    # collective is posted, so broadcast k waits for copies 0..k only, and
+    # copy k + 1 runs beside it. What the relays wait for before their first
+    # byte is one range's copy, not the whole snapshot's. The local protocol
+    # is unchanged: the copies and the posts run inside the write window of
+    # Note [weights consistency protocol], the publish event is recorded
+    # after the last copy, and the next publish writes only after finish()
+    # ordered the current stream after every broadcast. A tensor that is not
+    # contiguous is copied whole with the range of its first byte (its later
+    # bytes are then written before their own ranges' broadcasts start).
+    def _publish_and_post(self, deadline: float) -> int:
+        broadcaster, version = self._broadcaster, self.version + 1
+        copies = self._range_copies(broadcaster.ranges)
+        try:
+            return self._publish_direct(deadline, fill=lambda: broadcaster.post(version, lambda k: copies[k].run()))
+        except BaseException:
+            if broadcaster.posted:
+                self._broadcaster = None  # part of a version is on the wire: this group is out of step
+            raise
+
+    def _range_copies(self, ranges) -> List[BatchedCopy]:
+        """One BatchedCopy per byte range of the snapshot (Note [pipelined
+        publish and broadcast]), built once per list of ranges."""
+        if self._by_range is None or self._by_range[0] != ranges:
+            groups: List[list] = [[] for _ in ranges]
+            for k, (lo, hi) in enumerate(ranges):
+                for e, first, count in self.layout.pieces_in(lo, hi):
+                    src, dst = self._tensors[e.name], typed_view(self._buffer, e.offset, e.dtype, e.numel)
+                    if src.is_contiguous():
+                        groups[k].append((src.reshape(-1)[first : first + count], dst[first : first + count]))
+                    elif first == 0:
+                        groups[k].append((src, dst.view(src.shape)))
+            self._by_range = (ranges, [BatchedCopy(g) for g in groups])
+        return self._by_range[1]
 
     def _publish_direct(self, deadline: float, fill=None, version: Optional[int] = None) -> int:
         """`fill()` writes the snapshot instead of the copy from the source
@@ -259,17 +311,22 @@ class Publisher(Closeable):
 
     # ---------------------------------------------------------------- other nodes
 
-    def broadcast_to(self, group=None, *, src: Optional[int] = None, bucket_bytes: int = 64 << 20,
+    def broadcast_to(self, group=None, *, src: Optional[int] = None, bucket_bytes: Optional[int] = None,
                      transport=None) -> None:
         """Also send every version from now on to the :class:`Relay` of each
         other node in the ``torch.distributed`` process ``group`` (None: the
         default group); ``src``: this process's global rank (default). A
         collective: every relay of the group constructs its ``Relay`` (or
-        calls ``rejoin``) meanwhile. Each ``publish()`` then broadcasts the
-        snapshot in ``bucket_bytes`` pieces after publishing it here; a
-        broadcast that fails raises :class:`BroadcastError` and later
-        publishes stay local until ``broadcast_to`` is called with a new
-        group. Direct mode only. ``transport``: another
+        calls ``rejoin``) meanwhile. Each ``publish()`` then copies the
+        snapshot and broadcasts it in ``bucket_bytes`` pieces (default 128
+        MiB: Note [bucket size of a broadcast] in _broadcast.py), each piece
+        as soon as it is copied, and returns once the broadcast completed
+        here; one that fails or does not complete within the publisher's
+        ``timeout`` raises :class:`BroadcastError` (the version is published
+        here) and later publishes stay local until ``broadcast_to`` is
+        called with a new group; so does ``broadcast_to`` itself when the
+        relays do not take the current version (sent on joining) within
+        ``timeout``. Direct mode only. ``transport``: another
         :class:`torch_ipc.Transport` instead of torch.distributed over ``group``
         (Note [cross-node transport]). See Note [relaying weights to other
         nodes] in relay.py."""
@@ -278,17 +335,24 @@ class Publisher(Closeable):
             raise ValueError("torch_ipc.weights: broadcast_to() needs a direct-mode Publisher "
                              "(it broadcasts from the snapshot)")
         from .._dist import transport_for
-        from ._broadcast import Broadcaster
+        from ._broadcast import DEFAULT_BUCKET_BYTES, Broadcaster
 
         self._broadcaster = None
-        self._broadcaster = Broadcaster(self._buffer, self.layout, transport_for(transport, group), src,
-                                        bucket_bytes, self.version)
+        try:
+            self._broadcaster = Broadcaster(self._buffer, self.layout, transport_for(transport, group), src,
+                                            DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
+                                            self.version, self.timeout)
+        except TimeoutError as e:  # the current version, sent on joining, was not taken in time
+            raise send_failed(self.version, "its broadcast to the relays", "broadcast_to", e) from e
 
     def _broadcast(self, version: int) -> None:
-        from ._errors import send_failed
+        """Broadcast the snapshot as `version` again (no local publish)."""
+        self._finish_broadcast(version, lambda b: b.send(version))
 
+    def _finish_broadcast(self, version: int, step) -> None:
+        """`step(broadcaster)`; what fails there is the BroadcastError of `version`."""
         try:
-            self._broadcaster.send(version)
+            step(self._broadcaster)
         except Exception as e:
             self._broadcaster = None
             raise send_failed(version, "its broadcast to the relays", "broadcast_to", e) from e

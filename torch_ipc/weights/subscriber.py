@@ -3,14 +3,14 @@ version into its own model (or views it in place)."""
 
 import contextlib
 import time
-from typing import Any, Dict, Iterator, Mapping, Optional
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 
 from .. import _serialize
 from .._closing import Closeable
 from . import _control as ctl
-from ._errors import PublisherGoneError
+from ._errors import BroadcastError, PublisherGoneError
 from ._layout import typed_view
 from ._plan import NameMap, PullPlan, Transform
 from ._share import Share, named_tensors, receive
@@ -72,7 +72,7 @@ class Subscriber(Closeable):
         self._share: Optional[Share] = None
         self._plans: Dict[int, tuple] = {}
         self.stats: Dict[str, Any] = {"path": "", "launches": 0, "bytes": 0, "pulls": 0, "reattached": 0,
-                                      "transforms": 0, "last_pull_us": 0.0}
+                                      "transforms": 0, "last_pull_us": 0.0, "streamed": 0}
         share = self._next_share(timeout)
         if share is None:
             raise TimeoutError(f"torch_ipc.weights: no publisher attached within {timeout} s")
@@ -161,7 +161,9 @@ class Subscriber(Closeable):
         Raises :class:`WeightsMismatchError` (nothing copied) when the model
         does not fit, :class:`PublisherGoneError` when the publisher exited
         and no new one attached (in direct mode the model keeps its previous
-        weights), ``TimeoutError``."""
+        weights), :class:`BroadcastError` when a streaming relay's version
+        was cut off on its way while this pull copied it (the model holds
+        part of it), ``TimeoutError``."""
         start = time.perf_counter()
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         self._ensure_publisher()
@@ -170,12 +172,14 @@ class Subscriber(Closeable):
         if self._share.layout.bucket_bytes:
             version = self._pull_bucketed(plan, deadline)
         else:
-            version = self._enter_read(newer_than, deadline)
+            version, streaming = self._enter_read(newer_than, deadline, streams=True)
             try:
-                self._after_publish()
                 try:
-                    plan.copy().run()
-                    plan.run_transforms()
+                    if streaming:
+                        self._copy_streaming(plan, version, deadline)
+                        self.stats["streamed"] += 1
+                    else:
+                        self._copy_direct(plan)
                 finally:  # whatever was queued must finish before the publisher overwrites
                     self._record_done()
             finally:
@@ -184,6 +188,48 @@ class Subscriber(Closeable):
         self.stats["pulls"] += 1
         self.stats["last_pull_us"] = (time.perf_counter() - start) * 1e6
         return version
+
+    def _copy_direct(self, plan: PullPlan) -> None:
+        """Queue the copies of the snapshot; a relay's version still landing
+        range by range, each range after its own event (Note [pulling a
+        relayed version as it lands] in relay.py)."""
+        events = self._share.range_events
+        if events and events[-1] is not None and not events[-1].query():  # recorded in order: the last done, all are
+            for k, ((lo, hi), event) in enumerate(zip(self._share.ranges, events)):
+                self._after_publish(event)
+                plan.copy_range(k, lo, hi).run()
+            self._after_publish()
+            plan.copy_rest().run()
+        else:
+            self._after_publish()
+            plan.copy().run()
+        plan.run_transforms()
+
+    def _copy_streaming(self, plan: PullPlan, version: int, deadline: float) -> None:
+        """Queue the copies of a relay's version while it lands: piece j once
+        the relay counted it (then after its event, CUDA); the rest once it
+        is published. A version cut off on the way raises BroadcastError (the
+        model then holds part of it)."""
+        c, ranges, events = self._counters, self._share.ranges, self._share.range_events
+        for j, ((lo, hi), event) in enumerate(zip(ranges, events)):
+            try:  # seq_cst: WRITING left STREAMING only after the last count was stored
+                ctl.spin_until(lambda: c.load(ctl.BUCKET_SEQ) > j or c.load(ctl.WRITING) != ctl.STREAMING,
+                               self._check_publisher, deadline, 2e-4)
+            except PublisherGoneError:
+                raise self._gone(f" during the pull of version {version} after {j} of {len(ranges)} pieces "
+                                 "(a streaming relay: the model holds part of it)") from None
+            if c.load(ctl.BUCKET_SEQ) <= j:
+                raise BroadcastError(
+                    f"torch_ipc.weights: version {version} was cut off on its way to this node after {j} of "
+                    f"{len(ranges)} pieces; the model holds part of it: pull again")
+            if event is not None:
+                self._after_publish(event)
+            plan.copy_range(j, lo, hi).run()
+        if plan.needs_whole:
+            ctl.spin_until(lambda: c.load(ctl.PUBLISHED) >= version, self._check_publisher, deadline, 2e-4)
+            self._after_publish()
+            plan.copy_rest().run()
+            plan.run_transforms()
 
     def _plan(self, into: Any) -> PullPlan:
         cached = self._plans.get(id(into))
@@ -197,18 +243,34 @@ class Subscriber(Closeable):
                           why_foreach=copy.why_foreach)
         return plan
 
-    def _enter_read(self, newer_than: int, deadline: float) -> int:
-        """Set READING and return the version to read (Note [weights consistency protocol])."""
+    def _enter_read(self, newer_than: int, deadline: float, streams: bool = False) -> Tuple[int, bool]:
+        """Set READING and return the version to read (Note [weights
+        consistency protocol]), and whether it is still landing on a
+        streaming relay (``streams``: the caller takes one; Note [pulling a
+        relayed version as it lands] in relay.py)."""
         c, reading = self._counters, self._index[ctl.READING]
+        streams = streams and bool(self._share.ranges)
+
+        def found() -> Optional[Tuple[int, bool]]:
+            writing = c.load(ctl.WRITING)
+            if not writing:
+                version = c.load(ctl.PUBLISHED)
+                return (version, False) if version > newer_than else None
+            if writing == ctl.STREAMING and streams:
+                version = c.load(ctl.STREAM_VERSION)
+                return (version, True) if version > newer_than else None
+            return None
+
         while True:
             c.store(reading, 1)
-            if not c.load(ctl.WRITING):
-                version = c.load(ctl.PUBLISHED)
-                if version > newer_than:
-                    return version
+            got = found()
+            if got is not None:
+                return got
             c.store(reading, 0)
-            ctl.spin_until(lambda: not c.load(ctl.WRITING) and c.load(ctl.PUBLISHED) > newer_than,
-                           self._check_publisher, deadline)
+            # a relay's version is announced long before it landed: noticing it late delays
+            # the copies of the pieces already there
+            ctl.spin_until(lambda: found() is not None, self._check_publisher, deadline,
+                           2e-4 if self._share.ranges else 1e-3)
 
     def _stream_device(self) -> torch.device:
         """The device whose current stream runs the copies: the model's."""
@@ -274,7 +336,7 @@ class Subscriber(Closeable):
             raise RuntimeError("torch_ipc.weights: view() needs a direct-mode publisher")
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         self._ensure_publisher()
-        self._enter_read(newer_than, deadline)
+        self._enter_read(newer_than, deadline)  # never a version still landing
         self._device = self._buffer.device
         try:
             self._after_publish()
