@@ -274,6 +274,9 @@ def test_a_relayed_snapshot_is_pulled_range_by_range_as_it_lands():
     model = {n: torch.zeros(s, device="cuda") for n, s in shapes.items()}
     model["t"] = torch.zeros(40, 30, device="cuda").t()  # not contiguous: copied whole
     gen = torch.Generator().manual_seed(secrets.randbits(31))
+    # the pull's plan is made before: making it copies its tables to the GPU
+    # from pageable memory, which waits for the fill queued before it
+    sub._plan(model)
     try:
         for version in (1, 2):
             source = torch.randint(0, 256, (layout.total_bytes,), dtype=torch.uint8, generator=gen).cuda()
