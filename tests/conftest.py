@@ -16,6 +16,7 @@ folders use live here, at the top: pytest puts this folder on sys.path, and a
 test that needs another folder's test module imports it by folder
 (``from wire.test_descriptor import seal``).
 """
+import gc
 import multiprocessing
 import multiprocessing.util
 import os
@@ -42,6 +43,24 @@ def pytest_configure(config):
     os.environ["TMPDIR"] = os.environ[_SCRATCH_KEY] = scratch
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     config.stash[_scratch] = scratch
+
+
+def pytest_collection_finish(session):
+    """Note [tests collect garbage often]: what the tests imported and pytest
+    collected lives to the end; out of every later collection."""
+    gc.collect()
+    gc.freeze()
+
+
+# Note [tests collect garbage often]
+# Tests wait for releases by polling gc.collect() and torch_ipc.collect()
+# (ipc_test_utils.wait_for_stats, collect_until). A full collection walks every
+# tracked object: with torch and the collected suite loaded, about 0.1 s each,
+# several a second in each worker. Frozen after collection (gc.freeze), what
+# was loaded is skipped and a collection walks what the tests made since. The
+# fork server freezes what it imported for its children the same way
+# (torch_ipc/testing/_fork_server.py), a spawned child what it imported at
+# start (_child.py).
 
 
 _scratch = pytest.StashKey[str]()

@@ -24,6 +24,7 @@
 #include "base/env.h"
 #include "base/errors.h"
 #include "base/fork.h"
+#include "base/str.h"
 
 #include "os/names.h"
 #include "os/process.h"
@@ -68,7 +69,9 @@ struct ReplyHeader {
   uint32_t flags;
 };
 constexpr size_t kMaxReply = sizeof(ReplyHeader) + kBatch * (8 + 64);
-constexpr int kAnswerSeconds = 10;  // how long a client waits for each reply
+// How long a client waits for each reply: TORCH_IPC_FD_ANSWER_SECONDS, read at
+// load (Note [checked settings]), else 10. Not 0: SO_RCVTIMEO takes 0 as never.
+const double g_answer_seconds = env_number("TORCH_IPC_FD_ANSWER_SECONDS", 10, 0.001, 1e6);
 
 struct Server {
   std::mutex mu;
@@ -104,8 +107,13 @@ sockaddr_un address_of(const std::string& name, socklen_t* len) {
 }
 
 // 0, or the errno of the setsockopt that failed.
-int set_timeouts(int fd, int recv_s, int send_s) {
-  timeval r{recv_s, 0}, s{send_s, 0};
+timeval seconds_timeval(double seconds) {
+  const auto whole = static_cast<time_t>(seconds);
+  return timeval{whole, static_cast<suseconds_t>((seconds - static_cast<double>(whole)) * 1e6)};
+}
+
+int set_timeouts(int fd, double recv_s, double send_s) {
+  const timeval r = seconds_timeval(recv_s), s = seconds_timeval(send_s);
   if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &r, sizeof(r)) != 0 ||
       setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &s, sizeof(s)) != 0)
     return errno;
@@ -372,7 +380,7 @@ bool fetch_pidfd(const ProcessId& owner, const std::vector<int>& remote_fds, boo
 UniqueFd connect_to(const sockaddr_un& addr, socklen_t len, int* err) {
   UniqueFd sock(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
   if (sock.get() < 0) throw_os_error("socket(AF_UNIX, SOCK_SEQPACKET)", "to fetch file descriptors");
-  if (int e = set_timeouts(sock.get(), kAnswerSeconds, kAnswerSeconds))
+  if (int e = set_timeouts(sock.get(), g_answer_seconds, g_answer_seconds))
     throw os_error(e, "setsockopt(SO_RCVTIMEO/SO_SNDTIMEO)", "of the fd socket");
   int rc;
   do rc = connect(sock.get(), reinterpret_cast<const sockaddr*>(&addr), len);
@@ -495,7 +503,7 @@ size_t receive_reply(int sock, const ProcessId& owner, char* buf, std::vector<Un
       throw_gone_or(owner, OsError(ETIMEDOUT,
                                    "torch_ipc: no answer from the fd server of the "
                                    "producer (" +
-                                       pid_text(owner) + ") within " + std::to_string(kAnswerSeconds) + " s"));
+                                       pid_text(owner) + ") within " + str(g_answer_seconds) + " s"));
     if (n < 0 && attempt == 0)
       throw_gone_or(owner, os_error(err, "recvmsg", "of the answer of the producer (" + pid_text(owner) + ")"));
     // The peer hung up without a word: a reset connection, ECONNRESET; trying
@@ -561,6 +569,8 @@ std::vector<ReceivedItem> fetch_socket(const ProcessId& owner, uint64_t id) {
 }
 
 }  // namespace
+
+double fd_answer_seconds() { return g_answer_seconds; }
 
 FdTransport fd_transport_from_env() {
   constexpr FdTransport kChoices[] = {FdTransport::Auto, FdTransport::Socket, FdTransport::Pidfd};

@@ -30,6 +30,8 @@ enum class FdTransport : uint8_t { Auto, Socket, Pidfd };
 
 // TORCH_IPC_FD_TRANSPORT=auto|socket|pidfd (default auto); read on every call.
 FdTransport fd_transport_from_env();
+// Seconds a fetch waits for each answer of the fd server (TORCH_IPC_FD_ANSWER_SECONDS, default 10).
+double fd_answer_seconds();
 
 // ---- producer side
 // Publish `items` under a fresh random 64-bit id (never 0; its high half

@@ -58,6 +58,9 @@ void bind_fd_testing(py::module_& testing) {
       py::arg("life") = 0, py::arg("pidns") = 0);
   // The fd server's socket at a path (Note [fd server at a path]), or "".
   testing.def("fd_server_path", &fd_server_path);
+  // Seconds: what the environment set, or the defaults (Note [checked settings]).
+  testing.def("fd_answer_seconds", &fd_answer_seconds);
+  testing.def("kv_default_lock_timeout", &BlockAllocator::default_lock_timeout);
   // (idle nanoseconds, idle mappings): what the environment set (Note [checked settings]).
   testing.def("idle_policy", [] {
     const IdlePolicy p = idle_policy();

@@ -10,6 +10,7 @@ import os
 import socket
 import struct
 import threading
+import time
 
 import pytest
 import torch
@@ -271,11 +272,24 @@ def test_replies_that_break_the_protocol(peer):
         assert not isinstance(info.value, torch_ipc.ProducerGoneError)
 
 
+def _fetch_timing_out(owner, ident):
+    """_fetch, which must time out: (errno, message, seconds it waited)."""
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="no answer from the fd server") as info:
+        _fetch(owner, ident)
+    return info.value.errno, str(info.value), time.monotonic() - t0
+
+
+ANSWER_S = 0.5  # the client's limit here (TORCH_IPC_FD_ANSWER_SECONDS; the default, 10 s, in test_settings.py)
+
+
 def test_a_server_that_never_answers_is_a_timeout(peer):
     owner = peer.call(_serve_script, ["silent"])
-    with pytest.raises(TimeoutError, match="no answer from the fd server") as info:
-        _fetch(owner, 1)  # waits the client's 10 s
-    assert info.value.errno == errno.ETIMEDOUT
+    code, message, waited = run_in_subprocess(_fetch_timing_out, owner, 1, timeout=60,
+                                              env={"TORCH_IPC_FD_ANSWER_SECONDS": str(ANSWER_S)})
+    assert code == errno.ETIMEDOUT
+    assert f"within {ANSWER_S:g} s" in message, message
+    assert ANSWER_S <= waited < 10, waited
 
 
 # ----------------------------------------------------------------------------- shared memory and leases

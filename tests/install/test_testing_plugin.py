@@ -95,6 +95,29 @@ def _crash_at_exit():
     return "returned"
 
 
+class _WritesWhenDeleted:
+    def __init__(self, path):
+        # What __del__ uses it holds: at interpreter exit builtins and modules may be gone.
+        self.fd, self.write = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), os.write
+
+    def __del__(self):
+        self.write(self.fd, b"deleted at interpreter exit\n")
+
+
+def _exit_handlers(path):
+    """What a child's exit runs: a Python atexit handler, a deleter of an object a
+    module holds (run by the interpreter's finalization) and, registered with
+    the C library, abort() (run by exit() with the static destructors)."""
+    import ctypes
+
+    atexit.register(lambda: open(path, "a").write("atexit\n"))
+    _STATE["deleted at exit"] = _WritesWhenDeleted(path)
+    libc = ctypes.CDLL(None)
+    libc.on_exit.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+    assert libc.on_exit(ctypes.cast(libc.abort, ctypes.c_void_p), None) == 0
+    return os.getpid()
+
+
 def _start_grandpeer():
     _STATE["peer"] = Peer(timeout=60)
     return _STATE["peer"].pid, _STATE["peer"]._fault_path
@@ -335,6 +358,21 @@ def test_peer_close_check_reports_a_crash_at_exit():
     with pytest.raises(PeerError) as info:
         peer.close(check=True)
     assert info.value.exitcode == -signal.SIGSEGV
+
+
+def test_a_forked_peer_exits_through_python_but_not_the_static_destructors(tmp_path):
+    """Note [fork server exit]: atexit handlers and the interpreter's finalization
+    run in a child forked by the fork server (a crash there is reported, as
+    above); the C exit handlers registered before its end (libtorch's static
+    destructors; here abort()) do not, unless it initialised CUDA."""
+    path = tmp_path / "ran"
+    if os.environ.get("TORCH_IPC_TEST_FORK_SERVER") == "0":
+        pytest.skip("TORCH_IPC_TEST_FORK_SERVER=0 spawns every child")
+    peer = Peer(timeout=60)
+    assert peer.call(os.getppid) != os.getpid(), "forked by the fork server"
+    peer.call(_exit_handlers, str(path))
+    assert peer.close(check=True) == 0
+    assert path.read_text().splitlines() == ["atexit", "deleted at interpreter exit"]
 
 
 def test_peer_dropped_without_close_is_killed():

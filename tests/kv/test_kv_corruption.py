@@ -193,15 +193,18 @@ SCENARIOS = {
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_a_scribbled_pool_raises_clear_errors_and_never_crashes(scenario, ipc_peers):
     scribble, noticed_by = SCENARIOS[scenario]
-    owner, member, newcomer = ipc_peers.get("owner"), ipc_peers.get("member"), ipc_peers.get("newcomer")
+    owner, member = ipc_peers.get("owner"), ipc_peers.get("member")
+    # Under a lock that is never released the newcomer's attach waits out the
+    # default lock timeout (it has no pool to set one on yet): its process's
+    # default is LOCK_TIMEOUT (TORCH_IPC_KV_LOCK_TIMEOUT; 10 s unset).
+    newcomer = ipc_peers.get("newcomer", env={"TORCH_IPC_KV_LOCK_TIMEOUT": str(LOCK_TIMEOUT)})
     data, name, owner_ids, fields = owner.call(make_pool_and_hold)
     member_ids = member.call(attach_and_hold, data)
     seg = Segment(name, fields)
     try:
         scribble(seg, owner_ids)
-        # Under a lock that is never released the newcomer's attach waits out the
-        # default lock timeout (it has no pool to set one on yet): it waits
-        # beside the members, whose calls cannot release the lock either.
+        # The newcomer's attach waits beside the members, whose calls cannot
+        # release the lock either.
         if scenario == LIVE_LOCK:
             newcomer.start_call(attach_newcomer, data)
         results = {"owner": owner.call(use_after_scribble), "member": member.call(use_after_scribble)}
@@ -225,6 +228,8 @@ def test_a_scribbled_pool_raises_clear_errors_and_never_crashes(scenario, ipc_pe
         assert errors & {"PoolCorruptedError", "TimeoutError"}, f"{scenario}: nobody noticed: {results}"
     elif noticed_by == "newcomer":
         assert joined[0] in ("PoolCorruptedError", "DescriptorError"), f"{scenario}: newcomer got {joined}"
+    if scenario == LIVE_LOCK:
+        assert joined[0] == "TimeoutError" and f"within {LOCK_TIMEOUT} s" in joined[1], joined
     if "PoolCorruptedError" in errors:
         message = next(res[1] for r in results.values() for res in r.values()
                        if isinstance(res, tuple) and res[0] == "PoolCorruptedError")

@@ -277,16 +277,17 @@ def test_a_timed_out_fd_fetch_spends_nothing():
     # from the producer's fd server, which cannot answer while it is stopped.
     expandable = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     with Peer(timeout=120, env=expandable, name="vmm-producer") as producer, Peer(
-        timeout=120, env={"TORCH_IPC_FD_TRANSPORT": "socket"}, name="vmm-consumer"
+        timeout=120, env={"TORCH_IPC_FD_TRANSPORT": "socket", "TORCH_IPC_FD_ANSWER_SECONDS": "2"}, name="vmm-consumer"
     ) as consumer:
         data, want = producer.call(_export_cuda, u.new_seed())
         producer.call(u.drop, "x")
         os.kill(producer.pid, signal.SIGSTOP)
         try:
-            kind, message, stall = consumer.call(_load_while_ticking, data)  # waits the fetch's 10 s
+            kind, message, stall = consumer.call(_load_while_ticking, data)  # waits the fetch's 2 s
         finally:
             os.kill(producer.pid, signal.SIGCONT)
-        assert kind == "TimeoutError" and "no answer from the fd server" in message, (kind, message)
+        assert kind == "TimeoutError" and "no answer from the fd server" in message and "within 2 s" in message, (
+            kind, message)
         assert stall < 1.0, f"the load held the GIL: another thread stalled {stall:.1f} s"
         consumer.call(u.collect)
         s = producer.call(u.wait_for_stats, "exports", 0, 0.3)

@@ -17,46 +17,58 @@ from torch_ipc.testing import Peer
 
 # Children import the torch_ipc this process imported (installed, or the checkout's build).
 IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(torch_ipc.__file__)))
-SETTINGS = "from torch_ipc import _C; print(*_C._testing.idle_policy(), _C.channel_spin_ns())"
+SETTINGS = ("from torch_ipc import _C; t = _C._testing; "
+            "print(*t.idle_policy(), _C.channel_spin_ns(), t.fd_answer_seconds(), t.kv_default_lock_timeout())")
+NAMES = ("TORCH_IPC_IDLE_SECONDS", "TORCH_IPC_IDLE_MAPPINGS", "TORCH_IPC_CHANNEL_SPIN_US",
+         "TORCH_IPC_FD_ANSWER_SECONDS", "TORCH_IPC_KV_LOCK_TIMEOUT")
 
 
 def _settings(**env: str):
-    """(idle ns, idle mappings, channel spin ns) and stderr of a fresh process with `env`."""
+    """(idle ns, idle mappings, channel spin ns), (fd answer s, KV lock timeout s)
+    and stderr of a fresh process with `env`."""
     full = dict(os.environ, PYTHONPATH=IMPORT_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
-    for name in ("TORCH_IPC_IDLE_SECONDS", "TORCH_IPC_IDLE_MAPPINGS", "TORCH_IPC_CHANNEL_SPIN_US"):
+    for name in NAMES:
         if name not in env:
             full.pop(name, None)
     r = subprocess.run([sys.executable, "-c", SETTINGS], env=full, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
-    idle_ns, idle_mappings, spin_ns = (int(x) for x in r.stdout.split())
-    return (idle_ns, idle_mappings, spin_ns), r.stderr
+    idle_ns, idle_mappings, spin_ns, answer_s, lock_s = r.stdout.split()
+    return (int(idle_ns), int(idle_mappings), int(spin_ns)), (float(answer_s), float(lock_s)), r.stderr
 
 
 def test_valid_settings_are_taken():
-    (idle_ns, idle_mappings, spin_ns), err = _settings(
-        TORCH_IPC_IDLE_SECONDS=" 7 ", TORCH_IPC_IDLE_MAPPINGS="0", TORCH_IPC_CHANNEL_SPIN_US="12.5"
+    (idle_ns, idle_mappings, spin_ns), seconds, err = _settings(
+        TORCH_IPC_IDLE_SECONDS=" 7 ", TORCH_IPC_IDLE_MAPPINGS="0", TORCH_IPC_CHANNEL_SPIN_US="12.5",
+        TORCH_IPC_FD_ANSWER_SECONDS="2.5", TORCH_IPC_KV_LOCK_TIMEOUT="0",
     )
     assert (idle_ns, idle_mappings, spin_ns) == (7 * 10**9, 0, 12500)
+    assert seconds == (2.5, 0.0)
     assert "torch_ipc: ignoring" not in err
 
 
 @pytest.mark.parametrize("value", ["junk", "60s", "1e3", "-1", "99999999999999999999"])
 def test_a_junk_idle_setting_keeps_the_default_and_warns(value):
-    (idle_ns, idle_mappings, _), err = _settings(TORCH_IPC_IDLE_SECONDS=value, TORCH_IPC_IDLE_MAPPINGS=value)
+    (idle_ns, idle_mappings, _), _, err = _settings(TORCH_IPC_IDLE_SECONDS=value, TORCH_IPC_IDLE_MAPPINGS=value)
     assert (idle_ns, idle_mappings) == (60 * 10**9, 1024), "a junk value must not close every idle mapping"
     assert f"ignoring TORCH_IPC_IDLE_SECONDS='{value}'" in err, err
     assert f"ignoring TORCH_IPC_IDLE_MAPPINGS='{value}'" in err, err
 
 
-def test_a_junk_spin_setting_keeps_the_default_and_warns():
-    # This process read the same default at import, unless the variable is set here.
+def test_junk_seconds_settings_keep_the_defaults_and_warn():
+    """The spin (its default depends on the CPUs), the fd server's answer limit
+    and the KV pool's default lock timeout (10 s each; an answer limit of 0 is
+    junk: a socket takes 0 for no limit)."""
+    # This process read the same spin default at import, unless the variable is set here.
     if "TORCH_IPC_CHANNEL_SPIN_US" in os.environ:
-        (_, _, default_spin), _ = _settings()
+        (_, _, default_spin), _, _ = _settings()
     else:
         default_spin = torch_ipc._C.channel_spin_ns()
-    (_, _, spin_ns), err = _settings(TORCH_IPC_CHANNEL_SPIN_US="100abc")
+    junk = {"TORCH_IPC_CHANNEL_SPIN_US": "100abc", "TORCH_IPC_FD_ANSWER_SECONDS": "0", "TORCH_IPC_KV_LOCK_TIMEOUT": "-1"}
+    (_, _, spin_ns), seconds, err = _settings(**junk)
     assert spin_ns == default_spin
-    assert "ignoring TORCH_IPC_CHANNEL_SPIN_US='100abc'" in err, err
+    assert seconds == (10.0, 10.0)
+    for name, value in junk.items():
+        assert f"ignoring {name}='{value}'" in err, err
 
 
 def _export_cuda(n: int, seed: int):

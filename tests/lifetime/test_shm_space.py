@@ -11,37 +11,30 @@ import subprocess
 import sys
 
 import pytest
+from shm_space_child import share_ones
 
 import torch_ipc
+from torch_ipc.testing import run_in_subprocess
 
 # Children import the torch_ipc this process imported: the installed package,
 # or the checkout's in-place build (the checkout has no _C after an install).
 IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(torch_ipc.__file__)))
 
-# Runs in a child whose /dev/shm (or file size limit) is small. Prints one JSON line.
+# A fresh interpreter in the small /dev/shm's mount namespace. Prints one JSON line.
 _SHARE = """
-import errno, json, os, resource, sys, torch, torch_ipc
-limit, nbytes = int(sys.argv[1]), int(sys.argv[2])
-if limit:
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-t = torch.ones(nbytes // 4, dtype=torch.float32)
-out = {}
-try:
-    torch_ipc.dumps(t)
-    out["error"] = None
-except OSError as e:
-    out.update(error=type(e).__name__, errno=e.errno, message=str(e))
-out["files"] = sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"torch_ipc.{os.getpid()}."))
-out["still_private"] = t.untyped_storage().data_ptr() != 0 and bool((t == 1).all())
-st = os.statvfs("/dev/shm")
-out["shm"] = dict(size=st.f_blocks * st.f_frsize, free=st.f_bavail * st.f_frsize)
-print(json.dumps(out))
+import json, sys
+sys.path.insert(0, sys.argv[3])
+from shm_space_child import share_ones
+print(json.dumps(share_ones(int(sys.argv[1]), int(sys.argv[2]))))
 """
 
 
 def _share(prefix, limit: int, nbytes: int) -> dict:
+    if not prefix:  # a file size limit is the child's own: no interpreter of its own needed
+        return run_in_subprocess(share_ones, limit, nbytes, timeout=120)
     env = dict(os.environ, PYTHONPATH=IMPORT_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([*prefix, sys.executable, "-c", _SHARE, str(limit), str(nbytes)],
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([*prefix, sys.executable, "-c", _SHARE, str(limit), str(nbytes), here],
                        env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, f"the child died ({r.returncode}):\n{r.stderr[-3000:]}"
     return json.loads(r.stdout.strip().splitlines()[-1])

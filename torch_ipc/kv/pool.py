@@ -290,8 +290,9 @@ class SharedKVPool(Closeable):
     @property
     def lock_timeout(self) -> float:
         """Seconds an operation of this process waits for the pool's lock
-        before it raises ``TimeoutError`` saying who holds it (default 10;
-        Note [the pool's lock] in csrc/features/kv/pool_lock.h). Per process."""
+        before it raises ``TimeoutError`` saying who holds it (default
+        TORCH_IPC_KV_LOCK_TIMEOUT, else 10; Note [the pool's lock] in
+        csrc/features/kv/pool_lock.h). Per process."""
         self._check_open()
         return self._state.allocator.lock_timeout
 

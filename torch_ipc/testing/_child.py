@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import gc
 import multiprocessing.connection
 import os
 import pickle
@@ -47,6 +48,11 @@ def _child_setup(env: Dict[str, Optional[str]], fault_path: str, parent_pid: int
     # it again in case anything imported while the child was being prepared (the
     # parent's __main__, re-imported by spawn) changed it.
     apply_env(env)
+    # What the child imported to get here (torch among it) lives as long as it
+    # does: keep it out of its garbage collections, as the fork server does
+    # for its children (tests call gc.collect() often; torch makes each ~0.1 s).
+    gc.collect()
+    gc.freeze()
     with contextlib.suppress(OSError):
         _fault_log = open(fault_path, "w")
         faulthandler.enable(file=_fault_log, all_threads=True)

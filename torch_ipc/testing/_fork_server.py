@@ -35,7 +35,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 # child per request in milliseconds. The child then runs as a spawned child
 # does: multiprocessing's preparation (sys.path, working directory, __main__)
 # runs in it, its stdout and stderr are the parent's at the time of the request,
-# and it ends with a normal interpreter exit (atexit handlers run). What
+# and it ends through the interpreter's exit (atexit handlers run; Note [fork
+# server exit] says what it leaves out). What
 # differs: its parent process is the server (it dies with the server, which
 # dies with the process that started it), its environment is the one the
 # server started with, and torch and torch_ipc were imported by the server.
@@ -48,6 +49,21 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 # The protocol is multiprocessing's own forkserver's; the server is private, so
 # that a program under test that uses the "forkserver" start method still
 # gets the standard one.
+#
+# Note [fork server exit]
+# A forked child exits as a spawned one does up to the end of the interpreter:
+# multiprocessing's finalizers (torch_ipc's exit hook among them) and the
+# atexit handlers run, then the interpreter's own finalization (modules
+# cleared, the deleters of what they held run, torch_ipc's during interpreter
+# exit among them; a crash there is the child's exit status). Unless the child
+# initialised CUDA, it then leaves out the C library's exit handlers that were
+# registered before: the static destructors of libtorch and the other
+# libraries the server loaded. libtorch deregisters each of its operators
+# there, about 0.1 s of CPU time per child, half of what a short-lived child
+# costs in all; torch_ipc keeps no static object whose destructor does
+# anything (its per-process state is never destroyed, ProcessState in
+# csrc/base/fork.h). A child that initialised CUDA exits in full, the CUDA
+# runtime's teardown included, as a spawned child does.
 
 LATE_ENV = ("PYTEST_CURRENT_TEST",)
 _SIGNED = struct.Struct("q")
@@ -260,7 +276,7 @@ class ForkServerProcess(_mp_process.BaseProcess):
 
 def serve(listener_fd: int, alive_r: int, parent_pid: int, pdeathsig: bool) -> None:
     """The fork server's loop (multiprocessing.forkserver.main, but a child
-    exits as a spawned one does: through SystemExit, running its atexit handlers)."""
+    exits through SystemExit, running its atexit handlers: Note [fork server exit])."""
     if pdeathsig and sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
             ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
@@ -354,4 +370,19 @@ def _run_child(child_r: int, fds: List[int], handlers: Dict[int, Any]) -> int:
     except Exception:
         sys.excepthook(*sys.exc_info())
         sys.stderr.flush()
+    _end_before_static_destructors()
     return code
+
+
+def _end_before_static_destructors() -> None:
+    """Note [fork server exit]: unless CUDA was initialised here, the exit() that
+    ends the interpreter calls _exit(status) first, before the exit handlers
+    registered earlier (the libraries' static destructors)."""
+    torch = sys.modules.get("torch")
+    if torch is None or torch.cuda.is_initialized():
+        return
+    with contextlib.suppress(Exception):  # without on_exit (not glibc) the child exits in full
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fflush(None)  # what C code buffered so far; later output goes through Python's files
+        libc.on_exit.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+        libc.on_exit(ctypes.cast(libc._exit, ctypes.c_void_p), None)  # _exit(status, arg): the status exit() got

@@ -10,6 +10,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "base/env.h"
 #include "base/errors.h"
 
 #include "os/names.h"
@@ -152,8 +153,15 @@ void BlockAllocator::detach() noexcept {
 
 BlockAllocator::~BlockAllocator() { detach(); }
 
+namespace {
+constexpr double kMaxLockTimeout = 1e6;  // seconds
+const double g_default_lock_timeout = env_number("TORCH_IPC_KV_LOCK_TIMEOUT", 10, 0, kMaxLockTimeout);
+}  // namespace
+
+double BlockAllocator::default_lock_timeout() { return g_default_lock_timeout; }
+
 void BlockAllocator::set_lock_timeout(double seconds) {
-  TORCH_IPC_CHECK_VALUE(std::isfinite(seconds) && seconds >= 0 && seconds <= 1e6,
+  TORCH_IPC_CHECK_VALUE(std::isfinite(seconds) && seconds >= 0 && seconds <= kMaxLockTimeout,
                         "torch_ipc: lock_timeout is 0 to 1e6 seconds, not ", seconds);
   lock_timeout_ = seconds;
 }

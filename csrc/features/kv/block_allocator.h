@@ -40,7 +40,9 @@ class __attribute__((visibility("hidden"))) BlockAllocator {
   static constexpr uint32_t kMaxChunks = kPoolMaxChunks;
   static constexpr uint32_t kDescriptorBytes = kPoolDescriptorBytes;
   static constexpr uint64_t kMaxBlocks = kPoolMaxBlocks;
-  static constexpr double kDefaultLockTimeout = 10.0;  // seconds (Note [the pool's lock] in pool_lock.h)
+  // Seconds: TORCH_IPC_KV_LOCK_TIMEOUT, read at load (Note [checked settings]),
+  // else 10 (Note [the pool's lock] in pool_lock.h). An attach waits this long.
+  static double default_lock_timeout();
 
   // A new segment with room for max_blocks blocks (none committed yet; see
   // add_chunk); this process is attached.
@@ -124,7 +126,7 @@ class __attribute__((visibility("hidden"))) BlockAllocator {
 
   std::unique_ptr<ShmMapping> shm_;
   PoolGeometry geometry_;  // this process's copy, never read again from the segment
-  double lock_timeout_ = kDefaultLockTimeout;
+  double lock_timeout_ = default_lock_timeout();
   uint32_t slot_ = 0;
   bool registered_ = false;
   bool detached_ = false;
