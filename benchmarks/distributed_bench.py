@@ -8,7 +8,7 @@ inference process on rank 1's node.
     python benchmarks/distributed_bench.py --budget-s 120               # CPU, gloo, full sizes
     python benchmarks/distributed_bench.py --device cuda --backend gloo --budget-s 170   # one GPU
     python benchmarks/distributed_bench.py --device cuda --backend nccl --budget-s 170   # two GPUs, one per rank
-    ... --relay-stream off    # the relay's subscriber copies a version only once it landed (default with NCCL: on)
+    ... --relay-stream on     # the relay's subscriber copies each piece as it lands (Relay(stream=True))
 
 Each row is printed as soon as it is measured. Each section runs paired
 rounds (torch_ipc and the raw call of the same bytes back to back, their
@@ -397,8 +397,8 @@ def parse_args(argv=None):
     parser.add_argument("--tensors", type=int, default=384)
     parser.add_argument("--tensor-kib", type=int, default=None)
     parser.add_argument("--bucket-mib", type=int, default=128, help="broadcast_to's bucket_bytes (its default)")
-    parser.add_argument("--relay-stream", default="auto", choices=["auto", "on", "off"],
-                        help="Relay(stream=...): pulls copy a version while it lands (auto: on with NCCL)")
+    parser.add_argument("--relay-stream", default="off", choices=["on", "off"],
+                        help="Relay(stream=...): pulls copy a version while it lands (off: the default)")
     parser.add_argument("--kv-blocks", type=int, default=256)
     parser.add_argument("--staging-mib", type=int, default=None, help="KV pieces (send_blocks' staging_bytes)")
     parser.add_argument("--iters", type=int, default=None, help="rounds per section at most (10; --quick: 5)")
@@ -430,7 +430,7 @@ def config(args):
         "tensors": args.tensors,
         "tensor_kib": args.tensor_kib or (64 if args.quick else 4096),
         "bucket_bytes": args.bucket_mib << 20,
-        "stream": {"auto": None, "on": True, "off": False}[args.relay_stream],
+        "stream": args.relay_stream == "on",
         "kv_blocks": args.kv_blocks,
         "staging_bytes": args.staging_mib << 20 if args.staging_mib else _default_staging(args.quick),
         "iters": args.iters or (5 if args.quick else 10),

@@ -139,7 +139,7 @@ def trainer_close() -> None:
 # ----------------------------------------------------------------------------- relay
 
 def relay_start(url: str, rank: int, world: int, address: str, authkey: bytes, bucketed: bool = False,
-                backend: str = "gloo", stream=None) -> int:
+                backend: str = "gloo", stream: bool = False) -> int:
     init_group(url, rank, world, backend)
     relay = Relay(src=0, bucketed=bucketed, timeout=30.0, stream=stream)
     if os.path.exists(address):

@@ -149,7 +149,7 @@ def test_a_relays_events_cover_its_buckets_in_order_and_stay_few(n):
 
 
 def test_a_streaming_relays_subscribers_pull_every_version_bit_for_bit_while_it_lands():
-    """A streaming relay on the CPU (Relay(stream=True); the default on NCCL)
+    """A streaming relay on the CPU (Relay(stream=True))
     with 64 buckets a version, a subscriber pulling continuously: every
     version it pulls is the trainer's bit for bit, some copied while they
     landed; a bf16 subscriber converts as usual."""

@@ -40,8 +40,7 @@ With NCCL a direct relay published a version once its buckets were posted
 (the publish event after the current stream waits for them): a subscriber's
 whole copy (1.95 ms for 1.5 GiB on an H100) ran after the wire (4.5 ms
 over NVLink), publish -> remote pull at 58% of a raw broadcast. A streaming
-relay (``stream``; the default where a version is published before it lands
-anyway: CUDA over NCCL) lets a pull copy bucket k while bucket k + 1 is on
+relay (``stream=True``) lets a pull copy bucket k while bucket k + 1 is on
 the wire. In its write window it stores STREAM_VERSION = v, BUCKET_SEQ = 0,
 then WRITING = STREAMING (Note [weights consistency protocol] in
 _control.py); as each bucket lands (NCCL: once the current stream waits for
@@ -67,6 +66,14 @@ the group's broadcast and so the trainer; a streaming relay never waits for
 its subscribers within a version. A subscriber of a streaming relay polls
 every 0.2 ms at most (1 ms otherwise): noticing a version late leaves the
 landed buckets to be copied in a burst after the wire.
+Measured, and so off by default: on two H100s (NVLink, 2026-11-26 14:2x
+UTC, `distributed_bench.py --device cuda --backend nccl --budget-s 35
+--iters 6`, one run each on one machine, 1.5 GiB in 128 MiB buckets),
+publish -> remote pull took 7.51 ms streaming against 6.57 ms with
+``stream=False`` (61% and 70% of a raw broadcast), and the broadcast
+itself 89% against 91%: the pull's stream waits on up to 12 interprocess
+events, each wait delaying the next copy, and the relay records one per
+bucket; the overlap does not pay for that at these sizes.
 
 Note [closing a group]
 ``Publisher.close()`` broadcasts a CLOSE header (the relays' ``serve()``
@@ -109,8 +116,8 @@ class Relay(Closeable):
     ``transport``: another :class:`torch_ipc.Transport` instead of
     torch.distributed over ``group`` (Note [cross-node transport]).
     ``stream``: let pulls copy a direct relay's version while it lands
-    (Note [pulling a relayed version as it lands]); None (default): where a
-    version is published before it lands anyway (CUDA over NCCL).
+    (Note [pulling a relayed version as it lands]; off by default: slower
+    end to end where it was measured).
 
     Example::
 
@@ -127,14 +134,14 @@ class Relay(Closeable):
         *,
         device: Union[None, str, torch.device] = None,
         bucketed: bool = False,
-        stream: Optional[bool] = None,
+        stream: bool = False,
         max_subscribers: int = 8,
         timeout: float = 60.0,
         transport: Optional[_dist.Transport] = None,
     ):
         self._device = None if device is None else torch.device(device)
         self._bucketed = bool(bucketed)
-        self._stream = stream
+        self._stream = bool(stream)
         self._max_subscribers = max_subscribers
         self.timeout = timeout
         self.version = 0
@@ -159,9 +166,7 @@ class Relay(Closeable):
         self._transport, self.src, self._ranges = transport, src, wire.buckets(layout.total_bytes, bucket)
         with self._lock:
             old = self._publisher
-            stream = self._stream
-            if stream is None:  # Note [pulling a relayed version as it lands]
-                stream = device.type == "cuda" and not transport.through_host(torch.empty(0, device=device))
+            stream = self._stream  # Note [pulling a relayed version as it lands]
             self._per_event, events = wire.event_ranges(self._ranges) if stream and not self._bucketed else (1, [])
             if old is None or old.layout != local or old.device != device or \
                     list(old.ranges) != events:
