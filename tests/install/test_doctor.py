@@ -94,10 +94,10 @@ def test_doctor_prints_a_table_and_says_how_to_call_it(capsys):
 def test_one_consumer_process_answers_for_every_device(monkeypatch):
     """The round trips of all devices go through one fresh process; each
     device gets its own answer, and a consumer that stops half way fails the
-    devices it did not answer for (here: CPU tensors standing for devices)."""
+    devices it did not answer for (here: CPU tensors standing for devices;
+    the rows test above sees every GPU answered by one process)."""
     from torch_ipc import doctor
 
-    assert doctor._round_trips(["cpu", "cpu"]) == [None, None]
     stops = """
 import sys, torch, torch_ipc
 first = sys.stdin.read().split()[0]
