@@ -447,6 +447,8 @@ def test_an_engine_waits_for_a_started_version_within_its_timeout_only():
     _, sub = _remote_pair(th.Hub(3), before=0)
     with pytest.raises(TimeoutError, match="rank 0 within 0.3 s.*form a new one"):
         sub.pull(timeout=0.3)
+    with pytest.raises(RuntimeError, match="stopped half way.*TimeoutError.*form a new one"):
+        sub.pull(timeout=0.3)  # its headers' receives are still posted: never a second set
     pubs, sub = _remote_pair(th.Hub(3), before=0)  # a timed-out group is not used again
     sub._receiver.timeout = 0.5
     for pub in pubs:

@@ -246,8 +246,14 @@ class Sender:
                       for i, (plan, direct) in enumerate(zip(self.plans, self.direct))]
         self.round_ops = _round_ops(self.schedule, self.direct, self.ends, self.packs, "send", self.engines)
         # one header per pair, made once: a version changes one word of it (Note [a round's host time])
-        self.headers = [_dist.to_control(torch.tensor([MAGIC, 0, len(plan)], dtype=torch.int64), transport)
+        # (a blocking copy: a publish() on another stream than this one then finds it there)
+        self.headers = [torch.tensor([MAGIC, 0, len(plan)], dtype=torch.int64).to(transport.control_device)
                         for plan in self.plans]
+
+    def posts_ahead(self) -> bool:
+        """Whether start() only posts (NCCL: the transfers are polled at the
+        end); else (gloo, host staging) it waits for each transfer in turn."""
+        return _Waits(self.transport, None, 0)._poll(self.headers[0])
 
     def send(self, version: int, timeout: float) -> None:
         """Send `version` (the live shards' values) to every engine rank;
@@ -391,12 +397,25 @@ class Receiver:
         self.headers = [torch.zeros(HEADER_WORDS, dtype=torch.int64, device=transport.control_device)
                         for _ in self.trainers]
         self.version = 0
+        self.broken: Optional[str] = None
 
     def pull(self, timeout: Optional[float] = None) -> int:
         """Receive the next version from every trainer rank into the engine's
         tensors. ``timeout``: how long to wait for it to start (None: as
         long as it takes); its buckets then arrive within the transfer
-        timeout, else TimeoutError."""
+        timeout, else TimeoutError. A pull that raised (Ctrl-C included)
+        may have left receives posted: later ones raise (the group is out
+        of step; Note [a dead engine rank] in sharded.py)."""
+        if self.broken is not None:
+            raise RuntimeError(f"torch_ipc.weights: an earlier pull() of this engine rank stopped half way "
+                               f"({self.broken}); {REBUILD}")
+        try:
+            return self._pull(timeout)
+        except BaseException as e:
+            self.broken = type(e).__name__
+            raise
+
+    def _pull(self, timeout: Optional[float]) -> int:
         header_ops = [("recv", header, t) for header, t in zip(self.headers, self.trainers)]
         first = _Waits(self.transport, timeout, self.version + 1)
         header_works = _post(self.transport, header_ops)

@@ -86,7 +86,14 @@ the broken pair. The version published on the trainers' node stays local
 survivors, form a new one without the dead rank (or with its replacement),
 and construct ShardedPublisher.send_to() / ShardedSubscriber.remote() again:
 neither has state beyond its plan. A failure half way leaves the engine's
-tensors partly updated, as bucketed mode does.
+tensors partly updated, as bucketed mode does. The sends read the trainer's
+live shards (Note [sends beside the snapshot]): after a timeout the
+transfers still queued to a slow engine rank are not waited for, so the
+next optimizer step may overwrite bytes they have yet to read, and that
+rank's pull, if it ever completes, holds a mix of two versions; it is to be
+rebuilt with the group either way. A publish() or pull() stopped by Ctrl-C
+leaves the group out of step as well: the trainer's later versions stay
+local, the engine's later pulls raise.
 
 Note [sends beside the snapshot]
 A trainer rank that sends to other nodes packs each bucket from its live
@@ -215,7 +222,7 @@ class ShardedPublisher(Closing):
             pub.stats["publishes"] += 1
             self._send(pub.version)
             return pub.version
-        if device.type != "cuda":
+        if device.type != "cuda" or not self._sender.posts_ahead():  # gloo waits for each transfer: not in the window
             version = self._publisher.publish()
             self._send(version)
             return version
@@ -224,17 +231,22 @@ class ShardedPublisher(Closing):
         if self._side is None:
             self._side = torch.cuda.Stream(device)
         self._side.wait_stream(current)
-        version = pub.version + 1
+        version, failed = pub.version + 1, []
 
         def fill() -> None:  # once no local engine rank reads the snapshot
             with torch.cuda.stream(current):
-                self._send(version, self._sender.start)
+                try:
+                    self._send(version, self._sender.start)
+                except BaseException as e:  # the version is still published here, then the error raised
+                    failed.append(e)
             pub._snapshot.run()
 
         try:
             with torch.cuda.stream(self._side):
                 pub._publish_direct(time.monotonic() + pub.timeout, fill, version)
             pub.stats["publishes"] += 1
+            if failed:
+                raise failed[0]
             self._send(version, lambda *_: self._sender.finish())
         finally:
             current.wait_stream(self._side)  # the next step's writes come after the snapshot's reads
@@ -246,6 +258,9 @@ class ShardedPublisher(Closing):
         except Exception as e:
             self._sender = None
             raise send_failed(version, "sending it to the remote engine ranks", "send_to", e) from e
+        except BaseException:  # Ctrl-C half way: the group is out of step, later versions stay local
+            self._sender = None
+            raise
 
     def close(self) -> None:
         self._sender = None
