@@ -111,6 +111,11 @@ def _as_bytes(view: torch.Tensor):
     return view.reshape(-1).view(torch.uint8) if view.is_contiguous() else None
 
 
+def _polled(transport: _dist.Transport, tensor: torch.Tensor) -> bool:
+    """Whether a transfer of `tensor` is polled (NCCL) rather than waited for in turn (gloo, host staging)."""
+    return tensor.device.type == "cuda" and not transport.through_host(tensor)
+
+
 class _Waits:
     """The transfers of one version, each waited for by one deadline (Note [a
     bounded wait]): a polled one (NCCL) is ordered on the current stream at
@@ -123,14 +128,11 @@ class _Waits:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.polled: List[Tuple[Any, torch.Tensor, int]] = []
 
-    def _poll(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cuda" and not self.transport.through_host(tensor)
-
     def wait(self, works: Sequence[Any], ops: Sequence[_dist.P2P], ordered: bool = True) -> None:
         """``ordered``: the current stream waits for a polled transfer now (the
         unpack of a bucket or the reuse of its staging follows it there)."""
         for work, (_, tensor, peer) in zip(works, ops):
-            if self._poll(tensor):
+            if _polled(self.transport, tensor):
                 if ordered:
                     work.wait()
                 self.polled.append((work, tensor, peer))
@@ -150,7 +152,7 @@ class _Waits:
 
     def _finish(self, work: Any, tensor: torch.Tensor, peer: int) -> None:
         try:
-            _dist.finish(work, tensor, self.deadline, self._poll(tensor), POLL_SLEEP)
+            _dist.finish(work, tensor, self.deadline, _polled(self.transport, tensor), POLL_SLEEP)
         except (TimeoutError, RuntimeError, ConnectionError) as e:
             raise lost(peer, self.version, self.timeout, e) from e
 
@@ -253,7 +255,7 @@ class Sender:
     def posts_ahead(self) -> bool:
         """Whether start() only posts (NCCL: the transfers are polled at the
         end); else (gloo, host staging) it waits for each transfer in turn."""
-        return _Waits(self.transport, None, 0)._poll(self.headers[0])
+        return _polled(self.transport, self.headers[0])
 
     def send(self, version: int, timeout: float) -> None:
         """Send `version` (the live shards' values) to every engine rank;

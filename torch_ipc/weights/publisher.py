@@ -3,7 +3,7 @@ publishes each new version with a few counter stores and one launch."""
 
 import secrets
 import time
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -110,11 +110,20 @@ class Publisher(Closeable):
         else:
             self._publish_event = new_event(self.device)
             self._staging_events = ()
-            self._snapshot = None if tensors is None else BatchedCopy(
-                [(t, typed_view(self._buffer, e.offset, e.dtype, e.numel).view(t.shape))
-                 for e, t in zip(self.layout.entries, tensors.values())]
-            )
+            self._snapshot = None if tensors is None else BatchedCopy(self._snapshot_pairs())
         self.stats = {"path": self._snapshot.path if self._snapshot else "", "publishes": 0, "last_publish_us": 0.0}
+
+    def _snapshot_pairs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """(source tensor, its view in the snapshot), entry by entry (direct mode)."""
+        return [(t, typed_view(self._buffer, e.offset, e.dtype, e.numel).view(t.shape))
+                for e, t in zip(self.layout.entries, self._tensors.values())]
+
+    def _snapshot_by_engine(self) -> None:
+        """Copy the snapshot on the copy engine where it can from now on
+        (Note [sends beside the snapshot] in sharded.py): a direct-mode CUDA
+        publisher with source tensors only."""
+        if self.device.type == "cuda" and self._snapshot is not None:
+            self._snapshot = BatchedCopy(self._snapshot_pairs(), by_engine=True)
 
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
         if self.device.type == "cuda":

@@ -140,9 +140,7 @@ import torch
 
 from .. import _dist
 from .._closing import Closing
-from ._copy import BatchedCopy
 from ._errors import send_failed
-from ._layout import typed_view
 from ._shard_layout import LocalShard, Take, describe_shards, shards_message
 from ._shard_local import LocalShards
 from ._shard_remote import Receiver, Sender
@@ -205,31 +203,28 @@ class ShardedPublisher(Closing):
         self._sender = None
         self._sender = Sender(transport, trainers, engines, self._held, self._tensors, int(bucket_bytes))
         self._send_timeout = float(timeout)
-        pub = self._publisher
-        if pub.device.type == "cuda" and pub._snapshot is not None and "copy_engine" not in pub._snapshot.path:
-            # Note [sends beside the snapshot]: the snapshot copy leaves the SMs to the packs and NCCL
-            pub._snapshot = BatchedCopy([(t, typed_view(pub._buffer, e.offset, e.dtype, e.numel).view(t.shape))
-                                         for e, t in zip(pub.layout.entries, self._tensors.values())], by_engine=True)
+        self._publisher._snapshot_by_engine()  # Note [sends beside the snapshot]: the SMs stay the sends'
 
     def publish(self) -> int:
         """Publish the current values as the next version (here, then to
         remote engine ranks); returns its number."""
         if self._sender is None:
             return self._publisher.publish()
-        device, pub = self._publisher.device, self._publisher
+        pub = self._publisher
         if not pub._done:  # Note [no snapshot without local engine ranks]
             pub.version += 1
             pub.stats["publishes"] += 1
             self._send(pub.version)
             return pub.version
-        if device.type != "cuda" or not self._sender.posts_ahead():  # gloo waits for each transfer: not in the window
-            version = self._publisher.publish()
+        # gloo waits for each transfer in turn: not inside the write window
+        if pub.device.type != "cuda" or not self._sender.posts_ahead():
+            version = pub.publish()
             self._send(version)
             return version
         # Note [sends beside the snapshot]
-        current = torch.cuda.current_stream(device)
+        current = torch.cuda.current_stream(pub.device)
         if self._side is None:
-            self._side = torch.cuda.Stream(device)
+            self._side = torch.cuda.Stream(pub.device)
         self._side.wait_stream(current)
         version, failed = pub.version + 1, []
 
