@@ -359,13 +359,16 @@ def try_load(data: bytes) -> Tuple[str, str]:
     return "ok", ""
 
 
-def shm_files_of(pid: int) -> List[str]:
-    """torch_ipc's shared memory files in /dev/shm that belong to process `pid`."""
+def shm_files_of(pid: int, start_time: Optional[int] = None) -> List[str]:
+    """torch_ipc's shared memory files in /dev/shm that belong to process `pid`
+    (and, given its start time, to that process only: a producer in another PID
+    namespace is pid 1 there, as is every other namespaced producer)."""
     try:
         names = os.listdir("/dev/shm")
     except FileNotFoundError:
         return []
-    return sorted(n for n in names if n.startswith(f"torch_ipc.{pid}."))
+    prefix = f"torch_ipc.{pid}." + ("" if start_time is None else f"{start_time}.")
+    return sorted(n for n in names if n.startswith(prefix))
 
 
 def process_gone(pid: int, within: float = 10.0) -> bool:

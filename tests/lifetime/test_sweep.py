@@ -136,7 +136,9 @@ _NAMESPACED_PRODUCER = """
 import os, sys, torch, torch_ipc
 t = torch.arange(1000, dtype=torch.float32)
 data = torch_ipc.dumps(t)
-print(os.getpid(), flush=True)   # its pid in its own namespace
+with open("/proc/self/stat") as f:
+    start_time = f.read().rsplit(")", 1)[1].split()[19]
+print(os.getpid(), start_time, flush=True)   # its pid in its own namespace
 sys.stdin.readline()             # until the test has swept
 """
 
@@ -155,23 +157,24 @@ def test_a_live_producer_in_another_pid_namespace_keeps_its_files():
     env = dict(os.environ, PYTHONPATH=IMPORT_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     child = subprocess.Popen(["unshare", "-Urpf", "--mount-proc", sys.executable, "-c", _NAMESPACED_PRODUCER],
                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
-    inner_pid = 0
+    inner = None  # (pid, start time): other namespaced producers running beside this test are pid 1 too
     try:
-        inner_pid = int(child.stdout.readline())
-        files = u.shm_files_of(inner_pid)
-        assert files and inner_pid != child.pid, (inner_pid, files)
+        pid, start_time = child.stdout.readline().split()
+        inner = (int(pid), int(start_time))
+        files = u.shm_files_of(*inner)
+        assert files and inner[0] != child.pid, (inner, files)
         with Peer(timeout=120, name="sweeper") as sweeper:
             sweeper.call(_sweep_now)
-        assert u.shm_files_of(inner_pid) == files, "a live producer's files were swept for its pid"
+        assert u.shm_files_of(*inner) == files, "a live producer's files were swept for its pid"
         child.stdin.write("\n")
         child.stdin.flush()
         assert child.wait(timeout=60) == 0
-        assert u.shm_files_of(inner_pid) == [], "the producer's exit hook left its files"
+        assert u.shm_files_of(*inner) == [], "the producer's exit hook left its files"
     finally:
         if child.poll() is None:
             child.kill()
             child.wait()
-        for name in u.shm_files_of(inner_pid) if inner_pid else []:
+        for name in u.shm_files_of(*inner) if inner else []:
             os.unlink(os.path.join(SHM, name))
 
 
