@@ -2,6 +2,7 @@
 // part of the package's API.
 #include <cstring>
 
+#include "base/env.h"
 #include "base/errors.h"
 
 #include "wire/descriptor.h"
@@ -61,6 +62,9 @@ void bind_fd_testing(py::module_& testing) {
   // Seconds: what the environment set, or the defaults (Note [checked settings]).
   testing.def("fd_answer_seconds", &fd_answer_seconds);
   testing.def("kv_default_lock_timeout", &BlockAllocator::default_lock_timeout);
+  // The parsers every numeric setting goes through, on a variable of the caller's choosing.
+  testing.def("env_int", &env_int, py::arg("name"), py::arg("fallback"), py::arg("min"), py::arg("max"));
+  testing.def("env_number", &env_number, py::arg("name"), py::arg("fallback"), py::arg("min"), py::arg("max"));
   // (idle nanoseconds, idle mappings): what the environment set (Note [checked settings]).
   testing.def("idle_policy", [] {
     const IdlePolicy p = idle_policy();

@@ -546,7 +546,7 @@ def test_serial_tests_run_alone_under_xdist(pytester, tmp_path, monkeypatch):
     log = tmp_path / "log"
     monkeypatch.setenv("SERIAL_LOG", str(log))
     pytester.makepyfile(test_theirs=_SERIAL_SUITE)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "torch_ipc.testing", "-n", "3",
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "torch_ipc.testing", "-n", "2",
                                            "--strict-markers")
     result.assert_outcomes(passed=8)
     spans = _intervals(log)

@@ -14,7 +14,8 @@ from torch_ipc.testing import Peer
 
 EXPORTS = 10_000
 STALL_BOUND_S = 0.050  # a collection that held the GIL took 150-260 ms here
-WINDOWS = 3  # best of: one window may lose the CPU to another process
+WINDOW_S = 0.5  # ten collections at their 50 ms interval
+WINDOWS = 6  # until one is under the bound: one window may lose the CPU to another process
 
 
 def _export_many(count: int):
@@ -51,7 +52,9 @@ def test_held_exports_do_not_stall_the_main_thread(ipc_peer):
         assert consumer.call(_load_all, ipc_peer.call(_export_many, EXPORTS)) == EXPORTS
         s = ipc_peer.call(u.stats)
         assert (s["exports"], s["holders"], s["tokens_pending"]) == (EXPORTS, EXPORTS, 0), s
-        stalls = [ipc_peer.call(_longest_stall, 1.0) for _ in range(WINDOWS)]
+        stalls = []  # the test runs alone (serial): it stops at the first window under the bound
+        while len(stalls) < WINDOWS and (not stalls or stalls[-1] >= STALL_BOUND_S):
+            stalls.append(ipc_peer.call(_longest_stall, WINDOW_S))
         collect_s = ipc_peer.call(_collect_seconds)
         assert min(stalls) < STALL_BOUND_S, (
             f"the main thread stalled {min(stalls) * 1e3:.1f} ms at best (windows: "
