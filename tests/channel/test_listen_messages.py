@@ -1,12 +1,15 @@
 """What listen() says when it cannot listen (Note [listen errors] in
 torch_ipc/mp/_listener.py), and the warnings of a refused client: they point
 at the caller's line and name the peer."""
+import contextlib
 import errno
 import os
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
@@ -62,6 +65,7 @@ WRONG_THEN_RIGHT = textwrap.dedent("""
         torch_ipc.connect(sys.argv[1], authkey=b"wrong key")
     except AuthenticationError:
         pass
+    sys.stdin.readline()  # until the listener reported the refusal
     with torch_ipc.connect(sys.argv[1], authkey=sys.argv[2].encode()) as conn:
         conn.recv()
 """)
@@ -70,11 +74,18 @@ WRONG_THEN_RIGHT = textwrap.dedent("""
 def test_a_refused_client_warning_points_at_the_caller_and_names_the_peer():
     # A generous handshake timeout: on a loaded machine the right key's
     # handshake must not be refused too (one refusal is what is checked).
+    # Handshakes run concurrently, so a refusal and a later client's acceptance
+    # may be reported in either order: the child connects with the right key
+    # only once the refusal was reported (by the accept() that waits for it).
     with torch_ipc.listen(authkey=AUTHKEY, handshake_timeout=TIMEOUT) as listener:
-        child = subprocess.Popen([sys.executable, "-c", WRONG_THEN_RIGHT, listener.address, AUTHKEY.decode()])
+        child = subprocess.Popen([sys.executable, "-c", WRONG_THEN_RIGHT, listener.address, AUTHKEY.decode()],
+                                 stdin=subprocess.PIPE)  # fmt: skip
         try:
             with pytest.warns(RuntimeWarning, match="refused a client") as caught:
+                go_on = threading.Thread(target=_when_warned, args=(caught, child), daemon=True)
+                go_on.start()
                 conn = listener.accept()
+            go_on.join(TIMEOUT)
             with conn:
                 conn.send("bye")
             assert child.wait(TIMEOUT) == 0
@@ -86,6 +97,16 @@ def test_a_refused_client_warning_points_at_the_caller_and_names_the_peer():
     assert len(refused) == 1
     assert refused[0].filename == __file__
     assert str(refused[0].message).startswith(f"torch_ipc: refused a client (pid {child.pid}): ")
+
+
+def _when_warned(caught, child: subprocess.Popen) -> None:
+    """Tell `child` to go on once a warning was caught (or when it must give up)."""
+    deadline = time.monotonic() + TIMEOUT
+    while not caught and time.monotonic() < deadline and child.poll() is None:
+        time.sleep(0.01)
+    with contextlib.suppress(OSError):
+        child.stdin.write(b"go\n")
+        child.stdin.close()
 
 
 @pytest.mark.parametrize("bad, what", [(b"", "empty bytes"), ("secret", "str"), (0, "int")])

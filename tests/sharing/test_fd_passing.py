@@ -35,8 +35,24 @@ def _unpublish(ident):
     _C._testing.fd_unpublish(ident)
 
 
-def _fd_count():
-    return len(os.listdir("/proc/self/fd"))
+def _fd_count(peer: int) -> int:
+    """This process's open fds, leaving out pidfds of processes other than
+    `peer`: the sweep keeps one for each live process whose files it sees, and
+    processes of other tests (or of other programs) come and go meanwhile."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]" and _pidfd_pid(fd) != peer:
+                continue
+        except FileNotFoundError:  # closed since the listing (the listing's own fd among them)
+            continue
+        count += 1
+    return count
+
+
+def _pidfd_pid(fd: str) -> int:
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        return next((int(line.split()[1]) for line in f if line.startswith("Pid:")), -1)
 
 
 def _stats():
@@ -206,7 +222,7 @@ def test_malformed_request_is_refused_and_server_keeps_serving(producer):
     assert producer.call(_stats)["fd_refused"] == refused + 1
 
 
-@pytest.mark.serial  # the sweep keeps a pidfd per live process whose files it sees: other tests' add fds
+@pytest.mark.serial  # other tests make files that the collector's sweep opens while it runs (transient fds)
 def test_no_fd_leaks_on_either_side():
     # A producer of its own: what earlier tests left to a shared one (connections
     # its server closes when it gets to them) would change its count under us.
@@ -216,12 +232,12 @@ def test_no_fd_leaks_on_either_side():
         _fetch((pid, start), ident, mode="socket")
         _fetch((pid, start), ident, fds, mode="auto")
         _C.sweep()  # closes now the pidfds of processes of earlier tests, as the collector would
-        theirs, ours = producer.call(_fd_count), _fd_count()
+        theirs, ours = producer.call(_fd_count, os.getpid()), _fd_count(pid)
         for i in range(200):
             mode = "socket" if i % 2 else "auto"
             assert [d for d, _ in _fetch((pid, start), ident, fds, mode=mode)] == [b"a", b"b", b"c"]
         for bad in range(20):
             with pytest.raises(torch_ipc.ReleasedError):
                 _fetch((pid, start), ident + 1 + bad, mode="socket")
-        assert producer.call(_fd_count) == theirs
-        assert _fd_count() == ours
+        assert producer.call(_fd_count, os.getpid()) == theirs
+        assert _fd_count(pid) == ours
