@@ -94,6 +94,12 @@ def trainer_publish_failing():
 
 def trainer_publish_interrupted(after_s: float) -> float:
     """Publish; a real SIGINT to this process `after_s` into it: seconds from the signal to the KeyboardInterrupt."""
+    return interrupted(STATE["pub"].publish, after_s)
+
+
+def interrupted(call, after_s: float) -> float:
+    """Run `call()` in this (the main) thread with a real SIGINT to this process
+    `after_s` into it: seconds from the signal to the KeyboardInterrupt."""
     import signal
     import threading
 
@@ -107,12 +113,29 @@ def trainer_publish_interrupted(after_s: float) -> float:
 
     threading.Thread(target=interrupt, daemon=True).start()
     try:
-        STATE["pub"].publish()
+        call()
     except KeyboardInterrupt:
         return time.monotonic() - sent[0]
     finally:
         signal.signal(signal.SIGINT, previous)
-    raise AssertionError("publish() returned before the SIGINT")
+    raise AssertionError(f"{call} returned before the SIGINT")
+
+
+def join(url: str, rank: int, world: int) -> int:
+    init_group(url, rank, world)
+    return rank
+
+
+def send_unreceived_interrupted(nbytes: int, after_s: float, timeout_s) -> float:
+    """Send `nbytes` (more than the sockets hold) to rank 1, which never
+    receives, and wait for it as the sharded and KV paths do (a deadline of
+    `timeout_s`, or none): seconds from a SIGINT `after_s` in to the KeyboardInterrupt."""
+    from torch_ipc import _dist
+
+    tensor = torch.zeros(nbytes, dtype=torch.uint8)
+    work = _dist.DistTransport().send(tensor, 1)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    return interrupted(lambda: _dist.finish(work, tensor, deadline), after_s)
 
 
 def trainer_send_part(version: int, pieces: int) -> None:

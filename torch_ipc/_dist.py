@@ -66,6 +66,7 @@ raises past it), then raises TimeoutError. The group is unusable afterwards
 
 import datetime
 import json
+import threading
 import time
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
@@ -169,6 +170,56 @@ def finish(work: Any, tensor: torch.Tensor, deadline: Optional[float] = None, po
         work.wait()
     else:
         _wait_for(work, deadline)
+
+
+# Note [an interruptible wait]
+# A gloo work's wait() blocks in C++ with the GIL released, and Python runs a
+# signal's handler only once the main thread is back in the interpreter: a
+# Ctrl-C during a wait for a stuck peer raised at the wait's timeout (a
+# minute by default) or, without one, never. So DistTransport's works on host
+# memory (gloo's sends and receives, staged CUDA pieces among them, and its
+# broadcasts of CPU tensors) wait in a helper thread when waited for in the
+# main thread, which meanwhile waits on a lock that a signal interrupts (a
+# thread start, ~50 us, beside gloo's milliseconds; other threads get no
+# signals and wait themselves). After a KeyboardInterrupt the helper stays in
+# wait(), holding the work, until the transfer ends or fails (at the latest
+# the group's timeout): the transfer is still posted, so the caller treats
+# the group as out of step, as after a timeout (Note [a bounded wait]). The error a wait raised is passed to the
+# waiting thread without a reference cycle: a cycle through a frame kept the
+# work, and through it the group, alive after destroy_process_group(), so a
+# failed trainer's peers learned of it only at the group's timeout (30 s in
+# the killed-relay test). Works on CUDA tensors stay in the caller's
+# thread: their wait() orders the caller's current stream, which is the
+# thread's own. NCCL's need nothing (finish() sleeps between polls); gloo's
+# broadcast of a CUDA tensor (a relay's bucket over gloo) still waits in C++,
+# bounded by the group's timeout.
+def host_wait(work: Any, timeout: Optional[datetime.timedelta] = None) -> Any:
+    """``work.wait()`` (``wait(timeout=timeout)``), which Ctrl-C interrupts
+    in the main thread (Note [an interruptible wait]); returns what it returns."""
+    def wait() -> Any:
+        return work.wait() if timeout is None else work.wait(timeout=timeout)
+
+    if threading.current_thread() is not threading.main_thread():
+        return wait()
+    done, outcome = threading.Event(), []
+
+    def run() -> None:
+        try:
+            outcome.append((True, wait()))
+        except BaseException as e:  # noqa: BLE001  (raised again in the waiting thread)
+            outcome.append((False, e))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="torch_ipc-wait", daemon=True).start()
+    done.wait()  # a signal's handler runs here, and KeyboardInterrupt leaves
+    ok, value = outcome.pop()
+    if ok:
+        return value
+    try:
+        raise value
+    finally:
+        del value  # no cycle through this frame: it would keep the work, and with it the group, alive
 
 
 def _wait_for(work: Any, deadline: float) -> None:
@@ -326,20 +377,25 @@ class DistTransport:
                              "use a gloo group for CPU tensors")
 
     def broadcast(self, tensor: torch.Tensor, src: int):
-        return self._dist.broadcast(tensor, src=src, group=self.group, async_op=True)
+        return self._on_host(self._dist.broadcast(tensor, src=src, group=self.group, async_op=True), tensor)
 
     def send(self, tensor: torch.Tensor, dst: int):
         if self.through_host(tensor):
             host = _pinned_like(tensor)
             host.copy_(tensor)  # after the work queued on the current stream; the host waits for it
             return _Staged(self._dist.isend(host, dst=dst, group=self.group), host)
-        return self._dist.isend(tensor, dst=dst, group=self.group)
+        return self._on_host(self._dist.isend(tensor, dst=dst, group=self.group), tensor)
 
     def recv(self, tensor: torch.Tensor, src: int):
         if self.through_host(tensor):
             host = _pinned_like(tensor)
             return _Staged(self._dist.irecv(host, src=src, group=self.group), host, tensor)
-        return self._dist.irecv(tensor, src=src, group=self.group)
+        return self._on_host(self._dist.irecv(tensor, src=src, group=self.group), tensor)
+
+    @staticmethod
+    def _on_host(work: Any, tensor: torch.Tensor) -> Any:
+        """A work on host memory waits where Ctrl-C reaches (Note [an interruptible wait])."""
+        return _HostWork(work) if tensor.device.type == "cpu" else work
 
     def batch(self, ops: Sequence[P2P]) -> List[Any]:
         """NCCL: one ``batch_isend_irecv`` (the transfers of one group call
@@ -371,6 +427,19 @@ def _pinned_like(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
 
 
+class _HostWork:
+    """A gloo work on host memory whose wait() Ctrl-C interrupts (Note [an interruptible wait])."""
+
+    def __init__(self, work: Any):
+        self._work = work
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> Any:
+        return host_wait(self._work, timeout)
+
+
 class _Staged:
     """A send or receive through host memory (Note [CUDA tensors over gloo]):
     holds the host buffer until wait(), which also copies a received one
@@ -383,7 +452,7 @@ class _Staged:
         return self._work.is_completed()
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        self._work.wait() if timeout is None else self._work.wait(timeout)
+        host_wait(self._work, timeout)  # the copy below runs here: on this thread's current stream
         if self._into is not None:
             self._into.copy_(self._host)  # synchronous: the host buffer goes back to the cache after it
             self._into = None

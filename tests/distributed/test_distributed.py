@@ -149,6 +149,19 @@ def test_layout_messages_are_checked_field_by_field():
             layout_from_message(message)
 
 
+@pytest.mark.parametrize("timeout_s", [20.0, None], ids=["deadline", "no-deadline"])
+def test_ctrl_c_ends_a_wait_for_a_peer_that_does_not_receive(timeout_s):
+    """Note [an interruptible wait]: gloo's wait() is deaf to signals; a real
+    SIGINT 0.5 s into the wait for a send that the peer never receives raises
+    KeyboardInterrupt at once, not at the deadline (20 s) or never."""
+    url = dh.group_url()
+    with PeerGroup(timeout=60.0) as group:
+        sender, idle = group.get("sender"), group.get("idle")
+        idle.start_call(dh.join, url, 1, 2)
+        assert sender.call(dh.join, url, 0, 2) == 0 and idle.result() == 1
+        assert sender.call(dh.send_unreceived_interrupted, 64 << 20, 0.5, timeout_s) < 5.0
+
+
 # ----------------------------------------------------------------------------- KV blocks across nodes
 
 SHAPE, DTYPE = (2, 3, 4, 8), torch.float16
