@@ -175,25 +175,25 @@ def finish(work: Any, tensor: torch.Tensor, deadline: Optional[float] = None, po
 # Note [an interruptible wait]
 # A gloo work's wait() blocks in C++ with the GIL released, and Python runs a
 # signal's handler only once the main thread is back in the interpreter: a
-# Ctrl-C during a wait for a stuck peer raised at the wait's timeout (a
-# minute by default) or, without one, never. So DistTransport's works on CPU
-# tensors (gloo's sends, receives and broadcasts) wait in a helper thread
-# when waited for in the main thread, which meanwhile waits on a lock that a
-# signal interrupts (a
-# thread start, ~50 us, beside gloo's milliseconds; other threads get no
-# signals and wait themselves). After a KeyboardInterrupt the helper stays in
-# wait(), holding the work, until the transfer ends or fails (at the latest
-# the group's timeout): the transfer is still posted, so the caller treats
-# the group as out of step, as after a timeout (Note [a bounded wait]). The error a wait raised is passed to the
-# waiting thread without a reference cycle: a cycle through a frame kept the
-# work, and through it the group, alive after destroy_process_group(), so a
-# failed trainer's peers learned of it only at the group's timeout (30 s in
-# the killed-relay test). Works on CUDA tensors stay in the caller's
-# thread: their wait() orders the caller's current stream, which is the
-# thread's own. NCCL's need nothing (finish() sleeps between polls). CUDA
-# tensors over gloo (a relay's bucket, a staged piece: Note [CUDA tensors
-# over gloo]) still wait in C++, bounded by the group's timeout (a staged
-# piece's host work could wait in the helper too, its copy staying here).
+# Ctrl-C during a wait for a stuck peer raised at the wait's timeout (a minute
+# by default) or, without one, never. So DistTransport's works on CPU tensors
+# (gloo's sends, receives and broadcasts) wait in a helper thread when waited
+# for in the main thread, which meanwhile waits on a lock that a signal
+# interrupts (a thread start, ~50 us, beside gloo's milliseconds; other
+# threads get no signals and wait themselves). After a KeyboardInterrupt the
+# helper stays in wait(), holding the work, until the transfer ends or fails
+# (at the latest the group's timeout): the transfer is still posted, so the
+# caller treats the group as out of step, as after a timeout (Note [a bounded
+# wait]). The error a wait raised is passed to the waiting thread without a
+# reference cycle: a cycle through a frame kept the work, and through it the
+# group, alive after destroy_process_group(), so a failed trainer's peers
+# learned of it only at the group's timeout (30 s in the killed-relay test).
+# Works on CUDA tensors stay in the caller's thread: their wait() orders the
+# caller's current stream, which is the thread's own. NCCL's need nothing
+# (finish() sleeps between polls). CUDA tensors over gloo (a relay's bucket, a
+# staged piece: Note [CUDA tensors over gloo]) still wait in C++, bounded by
+# the group's timeout (a staged piece's host work could wait in the helper
+# too, its copy staying here).
 def host_wait(work: Any, timeout: Optional[datetime.timedelta] = None) -> Any:
     """``work.wait()`` (``wait(timeout=timeout)``), which Ctrl-C interrupts
     in the main thread (Note [an interruptible wait]); returns what it returns."""
