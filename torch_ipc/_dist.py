@@ -183,11 +183,12 @@ def finish(work: Any, tensor: torch.Tensor, deadline: Optional[float] = None, po
 # threads get no signals and wait themselves). After a KeyboardInterrupt the
 # helper stays in wait(), holding the work, until the transfer ends or fails
 # (at the latest the group's timeout): the transfer is still posted, so the
-# caller treats the group as out of step, as after a timeout (Note [a bounded
-# wait]). The error a wait raised is passed to the waiting thread without a
-# reference cycle: a cycle through a frame kept the work, and through it the
-# group, alive after destroy_process_group(), so a failed trainer's peers
-# learned of it only at the group's timeout (30 s in the killed-relay test).
+# caller treats the group as out of step, as after a timeout
+# (Note [a bounded wait]). The error a wait raised is passed to the waiting
+# thread without a reference cycle: a cycle through a frame kept the work,
+# and through it the group, alive after destroy_process_group(), so a failed
+# trainer's peers learned of it only at the group's timeout (30 s in the
+# killed-relay test).
 # Works on CUDA tensors stay in the caller's thread: their wait() orders the
 # caller's current stream, which is the thread's own. NCCL's need nothing
 # (finish() sleeps between polls). CUDA tensors over gloo (a relay's bucket, a
