@@ -214,7 +214,12 @@ def test_no_cuda_header_says_which_pip_command_provides_it(tmp_path):
 
 def test_sdist_carries_what_the_readme_points_to(tmp_path):
     build_tools()
-    r = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)], cwd=REPO,
+    # From a copy: sdist builds its tree (torch_ipc-<version>/) and egg-info in
+    # the folder it runs in, which another run on the same checkout shares.
+    source = tmp_path / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", "*.so", "torch_ipc-*", ".ruff_cache", ".scratch"))
+    r = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)], cwd=source,
                        capture_output=True, text=True, timeout=TIMEOUT)
     assert r.returncode == 0, r.stderr
     (tarball,) = tmp_path.glob("torch_ipc-*.tar.gz")
