@@ -281,9 +281,27 @@ def export_random(key: str, shape, dtype_name_: str = "float32", consumers: int 
     return data, bits(x), x.untyped_storage().nbytes()
 
 
-def open_fds() -> int:
-    """How many file descriptors this process has open."""
-    return len(os.listdir("/proc/self/fd"))
+def open_fds(peer: Optional[int] = None) -> int:
+    """How many file descriptors this process has open; given `peer`, leaving
+    out pidfds of processes other than `peer`: the sweep keeps one for each
+    live process whose files it sees, and processes of other tests (or of
+    other programs) come and go meanwhile."""
+    if peer is None:
+        return len(os.listdir("/proc/self/fd"))
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]" and _pidfd_pid(fd) != peer:
+                continue
+        except FileNotFoundError:  # closed since the listing (the listing's own fd among them)
+            continue
+        count += 1
+    return count
+
+
+def _pidfd_pid(fd: str) -> int:
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        return next((int(line.split()[1]) for line in f if line.startswith("Pid:")), -1)
 
 
 def share_batch(count: int, seed: int, device: str = "cpu", exact: Callable[[torch.Tensor], Any] = bits):

@@ -36,26 +36,6 @@ def _unpublish(ident):
     _C._testing.fd_unpublish(ident)
 
 
-def _fd_count(peer: int) -> int:
-    """This process's open fds, leaving out pidfds of processes other than
-    `peer`: the sweep keeps one for each live process whose files it sees, and
-    processes of other tests (or of other programs) come and go meanwhile."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]" and _pidfd_pid(fd) != peer:
-                continue
-        except FileNotFoundError:  # closed since the listing (the listing's own fd among them)
-            continue
-        count += 1
-    return count
-
-
-def _pidfd_pid(fd: str) -> int:
-    with open(f"/proc/self/fdinfo/{fd}") as f:
-        return next((int(line.split()[1]) for line in f if line.startswith("Pid:")), -1)
-
-
 def _stats():
     return dict(_C.stats())
 
@@ -237,7 +217,7 @@ def test_no_fd_leaks_on_either_side():
         _fetch((pid, start), ident, mode="socket")
         _fetch((pid, start), ident, fds, mode="auto")
         _C.sweep()  # closes now the pidfds of processes of earlier tests, as the collector would
-        theirs, ours = producer.call(_fd_count, os.getpid()), _fd_count(pid)
+        theirs, ours = producer.call(u.open_fds, os.getpid()), u.open_fds(pid)
         for i in range(200):
             mode = "socket" if i % 2 else "auto"
             assert [d for d, _ in _fetch((pid, start), ident, fds, mode=mode)] == [b"a", b"b", b"c"]
@@ -245,6 +225,6 @@ def test_no_fd_leaks_on_either_side():
             with pytest.raises(torch_ipc.ReleasedError):
                 _fetch((pid, start), ident + 1 + bad, mode="socket")
         me = os.getpid()
-        assert u.poll_until(lambda: producer.call(_fd_count, me) <= theirs, timeout=10), \
-            (producer.call(_fd_count, me), theirs)
-        assert u.poll_until(lambda: _fd_count(pid) <= ours, timeout=10), (_fd_count(pid), ours)
+        assert u.poll_until(lambda: producer.call(u.open_fds, me) <= theirs, timeout=10), \
+            (producer.call(u.open_fds, me), theirs)
+        assert u.poll_until(lambda: u.open_fds(pid) <= ours, timeout=10), (u.open_fds(pid), ours)
