@@ -31,6 +31,9 @@ two nodes  tp1->tp1   Trainer rank on GPU 0, engine rank on GPU 1, one
                       pull against one raw send/recv of the same bytes
                       between the same barriers (target: >= 90%); per
                       --bucket-mib and --ramp (Note [sharded rounds]).
+                      --groups both: a group of both backends
+                      ("cuda:nccl,cpu:gloo", what init_process_group()
+                      makes when given none): headers over gloo.
 --peer-copy engine|kernel: how one-node pulls copy pieces from the other GPU
 (TORCH_IPC_PEER_COPY; Note [peer pieces on the copy engine]); each engine
 row says the path its pull took.
@@ -296,7 +299,7 @@ def two_nodes_rank(cfg, rank, out):
     _shard_plan.RAMP = cfg["ramp"]  # Note [sharded rounds]: 1 makes every bucket of a pair full size
     torch.set_num_threads(1)
     device = _device(cfg, rank)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "gloo" if device.type != "cuda" else "nccl" if cfg["group"] == "nccl" else "cuda:nccl,cpu:gloo"
     dist.init_process_group(backend, init_method=cfg["url"], rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     times = {"sharded": [], "raw": []}
@@ -356,6 +359,8 @@ def run_two_nodes(cfg):
     (row,) = _collect(procs, out, 1, cfg["timeout"])
     gib = row["bytes"] / 2**30
     name = f"two nodes, buckets {cfg['bucket_bytes'] >> 20} MiB, ramp {cfg['ramp']}, {row['ops']} sends"
+    if cfg["group"] != "nccl":
+        name += ", headers over gloo"
     print(f"{name}: sharded pull {row['sharded']:8.2f} ms ({gib * 1024:.0f} MiB, "
           f"{gib / row['sharded'] * 1e3:.1f} GiB/s)  raw send/recv {row['raw']:8.2f} ms = "
           f"{100 * row['raw'] / row['sharded']:5.1f}%", flush=True)
@@ -373,6 +378,8 @@ def main():
     parser.add_argument("--ramp", default="8", help="two nodes: bucket ramps to measure, e.g. 1,8 (1: flat)")
     parser.add_argument("--peer-copy", default="kernel",
                         help="one node: TORCH_IPC_PEER_COPY values to measure, e.g. engine,kernel")
+    parser.add_argument("--groups", default="nccl",
+                        help="two nodes on CUDA: nccl, both (cuda:nccl,cpu:gloo) or nccl,both")
     parser.add_argument("--rows", default="tp2->tp1,tp1->tp2,two-nodes", help="rows to run")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--profile", help="two nodes: write a torch.profiler trace of one more version per rank here")
@@ -395,7 +402,8 @@ def main():
     if "two-nodes" in rows:
         for mib in [int(m) for m in args.bucket_mib.split(",")]:
             for ramp in [int(r) for r in args.ramp.split(",")]:
-                run_two_nodes(dict(cfg, bucket_bytes=(1 << 20) if quick else mib << 20, ramp=ramp))
+                for group in args.groups.split(","):
+                    run_two_nodes(dict(cfg, bucket_bytes=(1 << 20) if quick else mib << 20, ramp=ramp, group=group))
 
 if __name__ == "__main__":
     main()

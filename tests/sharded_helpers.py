@@ -15,6 +15,12 @@ from torch_ipc.weights._shard_layout import chunk_range
 
 HELD: Dict[str, object] = {}
 
+
+def held(key: str):
+    """What this peer process keeps under `key` (set by a call before)."""
+    return HELD[key]
+
+
 SHAPES = {"embed": (11, 6), "q": (10, 6), "k": (6, 6), "v": (6, 6), "o": (6, 10), "gate": (14, 6), "up": (14, 6),
           "down": (6, 14), "norm": (6,)}
 COLUMN, ROW = ("q", "k", "v", "gate", "up", "embed"), ("o", "down")
@@ -196,6 +202,7 @@ def remote_rank(transport, role: str, index: int, trainers, engines, layout: str
             pub.publish()
             bad = snapshot_mismatches(pub)
             assert bool(bad) != local_engine, f"trainer {index}, version {v}: the local snapshot differs in {bad}"
+        HELD["posts_ahead"] = pub._sender.posts_ahead()
         pub.close()
         return versions
     model = engine_model(index, len(engines), dtype, device)

@@ -435,16 +435,18 @@ def test_cuda_weights_and_kv_blocks_over_gloo_on_one_gpu():
 
 
 @pytest.mark.gpus(2)
-def test_nccl_weights_and_kv_blocks_on_two_gpus():
+@pytest.mark.parametrize("backend", ["nccl", "cuda:nccl,cpu:gloo"])
+def test_nccl_weights_and_kv_blocks_on_two_gpus(backend):
     """One GPU per process (NCCL needs distinct devices): a trainer on GPU 0,
     a relay and its subscriber on GPU 1; then KV blocks from GPU 0's pool to
-    GPU 1's."""
+    GPU 1's. Also in a group of both backends (what init_process_group()
+    makes when given none): control messages over gloo, the data over NCCL."""
     with PeerGroup(timeout=TIMEOUT) as group:
         trainer = group.get("trainer", env={"CUDA_VISIBLE_DEVICES": "0"})
         relay = group.get("relay", env={"CUDA_VISIBLE_DEVICES": "1"})
         sub = group.get("sub", env={"CUDA_VISIBLE_DEVICES": "1"})
-        _cuda_relay_round_trip(trainer, relay, sub, "nccl", last=3, seed=12)
-        _cuda_kv_round_trip(trainer, relay, "nccl", seed=13)
+        _cuda_relay_round_trip(trainer, relay, sub, backend, last=3, seed=12)
+        _cuda_kv_round_trip(trainer, relay, backend, seed=13)
 
 
 @pytest.mark.gpus(2)

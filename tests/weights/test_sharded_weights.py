@@ -346,21 +346,25 @@ def test_one_node_sharded_pull_on_two_gpus(trainers, engines, dtype):
 
 
 @pytest.mark.gpus(2)
+@pytest.mark.parametrize("backend", ["nccl", "cuda:nccl,cpu:gloo"])
 @pytest.mark.parametrize("local_engine", [False, True])
-def test_remote_sharded_pull_over_nccl_on_two_gpus(local_engine):
+def test_remote_sharded_pull_over_nccl_on_two_gpus(local_engine, backend):
     """A trainer rank on GPU 0 and an engine rank on GPU 1 in one NCCL group
     (standing for two nodes): batch_isend_irecv of the intersections. With
     an engine rank attached on the trainer's node too, the snapshot is copied
     on the copy engine beside the sends (Note [sends beside the snapshot])
-    and checked after every publish."""
+    and checked after every publish. A group of both backends (what
+    init_process_group() makes when given none) moves the headers over
+    gloo and the buckets over NCCL, and still posts ahead."""
     url = dh.group_url()
     with PeerGroup(timeout=TIMEOUT) as group:
         peers = [group.get(f"rank{r}") for r in range(2)]
         for r, (peer, role) in enumerate(zip(peers, ("trainer", "engine"))):
-            peer.start_call(sh.group_rank, url, r, 2, role, 0, [0], [1], "tp", 3, torch.float32, "nccl", f"cuda:{r}",
+            peer.start_call(sh.group_rank, url, r, 2, role, 0, [0], [1], "tp", 3, torch.float32, backend, f"cuda:{r}",
                             local_engine=local_engine)
         results = [p.result() for p in peers]
         assert results[0] == 3 and sum(results[1][0]) > 0
+        assert peers[0].call(sh.held, "posts_ahead") is True
 
 
 def _remote_pair(hub, before: int):

@@ -120,29 +120,31 @@ class _Waits:
     """The transfers of one version, each waited for by one deadline (Note [a
     bounded wait]): a polled one (NCCL) is ordered on the current stream at
     once and polled at the end (the host keeps queueing rounds meanwhile),
-    any other one is waited for in turn. A failure names the peer and says
-    the group is gone."""
+    any other one is waited for in turn, a version header at the end. A
+    failure names the peer and says the group is gone."""
 
     def __init__(self, transport: _dist.Transport, timeout: Optional[float], version: int):
         self.transport, self.timeout, self.version = transport, timeout, version
         self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.polled: List[Tuple[Any, torch.Tensor, int]] = []
+        self.pending: List[Tuple[Any, torch.Tensor, int]] = []  # waited for by close()
 
     def wait(self, works: Sequence[Any], ops: Sequence[_dist.P2P], ordered: bool = True) -> None:
         """``ordered``: the current stream waits for a polled transfer now (the
-        unpack of a bucket or the reuse of its staging follows it there)."""
+        unpack of a bucket or the reuse of its staging follows it there), and
+        any other transfer is waited for now; else both wait for close()."""
         for work, (_, tensor, peer) in zip(works, ops):
-            if _polled(self.transport, tensor):
-                if ordered:
-                    work.wait()
-                self.polled.append((work, tensor, peer))
-            else:
+            polled = _polled(self.transport, tensor)
+            if ordered and polled:
+                work.wait()
+            if ordered and not polled:
                 self._finish(work, tensor, peer)
+            else:
+                self.pending.append((work, tensor, peer))
 
     def close(self) -> None:
-        for work, tensor, peer in self.polled:
+        for work, tensor, peer in self.pending:
             self._finish(work, tensor, peer)
-        self.polled = []
+        self.pending = []
 
     def control(self, works: Sequence[Any], ops: Sequence[_dist.P2P]) -> None:
         """Wait for control transfers (headers) now, a polled one polled before
@@ -240,7 +242,8 @@ class Sender:
         # per peer, per bucket: the live shard's bytes to send in place, or the
         # copies into staging (Note [sends beside the snapshot] in sharded.py)
         self.direct = [[in_place(b) for b in plan] for plan in self.plans]
-        self.schedule = _Schedule(self.ends, self.direct, next(iter(views.values())).device)
+        self.device = next(iter(views.values())).device
+        self.schedule = _Schedule(self.ends, self.direct, self.device)
         self.packs = [[None if direct[k] is not None else
                        BatchedCopy([(source(p), _piece_view(self.schedule.buffer(i, k, self.ends[i][k]), p,
                                                             wire[p.name])) for p in b])
@@ -254,8 +257,12 @@ class Sender:
 
     def posts_ahead(self) -> bool:
         """Whether start() only posts (NCCL: the transfers are polled at the
-        end); else (gloo, host staging) it waits for each transfer in turn."""
-        return _polled(self.transport, self.headers[0])
+        end); else (gloo, host staging) it waits for each transfer in turn.
+        The buckets decide, not the headers: a group of both backends
+        ("cuda:nccl,cpu:gloo", what init_process_group() makes by default)
+        moves its headers over gloo and its buckets over NCCL, and start()
+        leaves a header's wait to finish()."""
+        return _polled(self.transport, torch.empty(0, device=self.device))
 
     def send(self, version: int, timeout: float) -> None:
         """Send `version` (the live shards' values) to every engine rank;
@@ -272,7 +279,8 @@ class Sender:
         for header in self.headers:  # the last version's sends are all done: finish() waited for them
             header[1] = version
         header_ops = [("send", header, e) for header, e in zip(self.headers, self.engines)]
-        waits.wait(_post(self.transport, header_ops), header_ops, ordered=False)  # NCCL: the buckets queue behind
+        # waited for by finish(): NCCL's buckets queue behind them, gloo's wait in turn
+        waits.wait(_post(self.transport, header_ops), header_ops, ordered=False)
 
         def post(r: int) -> Tuple[List[Any], List[_dist.P2P]]:
             packs, ops = self.round_ops[r]
