@@ -6,7 +6,6 @@
 #include <fcntl.h>
 #include <memory>
 #include <mutex>
-#include <sys/mman.h>
 #include <unistd.h>
 #include <unordered_map>
 
@@ -146,15 +145,6 @@ uint32_t make_life_file(const ProcessId& self) noexcept {
       if (key == 0) return nullptr;
       return ShmMapping::create(life_file_name(key), 0, self, /*anchor=*/true);
     });
-    // Note [a mapping keeps the lock]: a mapping holds the open file as an
-    // fd does, so a forked child that inherited it would hold the lock after
-    // this process died. The page is never read again: children get none.
-    void* page = static_cast<char*>(o.file->data()) - ShmMapping::kIdentityBytes;
-    if (madvise(page, ShmMapping::kIdentityBytes, MADV_DONTFORK) != 0) {
-      const int err = errno;
-      o.file.reset();  // unlinks it: no key is published
-      throw os_error(err, "madvise(MADV_DONTFORK)", life_file_name(key));
-    }
     o.key.store(key);
     o.error = 0;
   } catch (const OsError& e) {

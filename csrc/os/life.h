@@ -13,8 +13,9 @@ namespace torch_ipc {
 // Containers share /dev/shm and a uid but not a PID namespace: a pid in a
 // descriptor or a holder word may name nothing here, or an unrelated process
 // of the same number. A lock needs no pid. A process makes its life file
-// /torch_ipc.life.<key> once (O_EXCL, mode 0600, its identity page, then an
-// OFD lock on a close-on-exec fd, then its bytes: ShmMapping's anchor) before
+// /torch_ipc.life.<key> once (O_EXCL, mode 0600, an OFD lock on a
+// close-on-exec fd, then its identity page, written through that fd and never
+// mapped: ShmMapping's anchor, Note [an anchor maps nothing]) before
 // its key appears anywhere, and keeps it until it exits. So:
 //   lock held by another open file   it lives (or is a forked child still
 //                                    holding its parent's copy: Note [fork])

@@ -126,6 +126,15 @@ std::unique_ptr<ShmMapping> ShmMapping::create(const std::string& name, size_t s
     if (int err = lock_whole_file(fd)) fail(os_error(err, "fcntl(F_OFD_SETLK)", name));
   const size_t mapped = kIdentityBytes + size;
   if (int err = reserve(fd, mapped)) fail(reserve_error(err, name, mapped));
+  if (anchor && size == 0) {  // Note [an anchor maps nothing]
+    Identity id{};
+    write_identity(&id, creator);
+    ssize_t put;
+    do put = pwrite(fd, &id, sizeof(id), 0);
+    while (put < 0 && errno == EINTR);
+    if (put != static_cast<ssize_t>(sizeof(id))) fail(os_error(put < 0 ? errno : EIO, "pwrite", name));
+    return std::unique_ptr<ShmMapping>(new ShmMapping(name, nullptr, 0, true, fd));
+  }
   void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) fail(os_error(errno, "mmap", name));
   write_identity(p, creator);
@@ -135,6 +144,18 @@ std::unique_ptr<ShmMapping> ShmMapping::create(const std::string& name, size_t s
   }
   return std::unique_ptr<ShmMapping>(new ShmMapping(name, p, mapped, true, fd));
 }
+
+// Note [an anchor maps nothing]
+// An anchor without bytes (a life file: Note [life files] in life.h) has its
+// identity page written through its fd and is never mapped. A
+// mapping holds the open file as the fd does, and with it the OFD lock, and
+// a process's memory map can outlive the process: on the H100 machine a
+// relay that was killed and reaped (waitpid() had returned) still looked
+// alive to its subscriber right after, and dead a moment later. A forked
+// child would also keep an inherited mapping, and with it the lock, after
+// its parent died. The fd is closed before the process can be reaped
+// (close-on-exec, and closed in a forked child: Note [fork]), so the lock
+// goes when the process does.
 
 std::unique_ptr<ShmMapping> ShmMapping::open(const std::string& name, size_t min_size, const ProcessId& creator) {
   int fd = shm_open(name.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0);
@@ -201,7 +222,8 @@ void ShmMapping::disown() {
 
 ShmMapping::~ShmMapping() {
   unlink();  // before the lock goes: a sweeper never sees this file unlocked
-  if (munmap(base_, mapped_) != 0) TORCH_WARN("torch_ipc: munmap(", name_, ") failed: ", std::strerror(errno));
+  if (base_ != nullptr && munmap(base_, mapped_) != 0)
+    TORCH_WARN("torch_ipc: munmap(", name_, ") failed: ", std::strerror(errno));
   if (lock_fd_ >= 0) close(lock_fd_);
 }
 

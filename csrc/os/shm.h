@@ -32,7 +32,8 @@ class ShmMapping {
   // throws OsError with the failing call's errno otherwise (ENOSPC when
   // /dev/shm is too small, naming its size and free space; EMFILE, ...), and
   // leaves no file behind. An `anchor` keeps its file open with an OFD lock
-  // for as long as it lives: the proof that its owner lives (Note [sweep]).
+  // for as long as it lives: the proof that its owner lives (Note [sweep]);
+  // one of no bytes maps nothing (Note [an anchor maps nothing]).
   // `creator` (this process) is written into its identity page (Note
   // [segment identity]).
   static std::unique_ptr<ShmMapping> create(const std::string& name, size_t size, const ProcessId& creator,
@@ -49,9 +50,9 @@ class ShmMapping {
   ShmMapping(const ShmMapping&) = delete;
   ShmMapping& operator=(const ShmMapping&) = delete;
 
-  // The caller's bytes, after the identity page.
-  void* data() const { return static_cast<char*>(base_) + kIdentityBytes; }
-  size_t size() const { return mapped_ - kIdentityBytes; }
+  // The caller's bytes, after the identity page (an anchor of none: nullptr).
+  void* data() const { return base_ == nullptr ? nullptr : static_cast<char*>(base_) + kIdentityBytes; }
+  size_t size() const { return base_ == nullptr ? 0 : mapped_ - kIdentityBytes; }
   const std::string& name() const { return name_; }
   // Remove the name; existing mappings stay valid. Idempotent.
   void unlink();
@@ -64,7 +65,7 @@ class ShmMapping {
   ShmMapping(std::string name, void* base, size_t mapped, bool owner, int lock_fd = -1)
       : name_(std::move(name)), base_(base), mapped_(mapped), linked_(owner), lock_fd_(lock_fd) {}
   std::string name_;
-  void* base_;     // the mapping, identity page first
+  void* base_;     // the mapping, identity page first; nullptr: an anchor of no bytes
   size_t mapped_;  // its bytes
   bool linked_;
   int lock_fd_;  // an anchor's open file, holding its OFD lock; -1 otherwise

@@ -94,6 +94,30 @@ def test_a_process_holds_a_locked_life_file_of_its_own_uid_and_mode_0600():
         assert _locked_by_another(_life_path(life))
 
 
+def _maps_and_fds() -> tuple:
+    """The lines of this process's memory map and the targets of its fds."""
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return maps, fds
+
+
+def test_a_life_file_is_held_by_its_fd_alone_never_mapped():
+    """Note [an anchor maps nothing]: a mapping would hold the lock as long as
+    the memory map lives, which can be after the process was reaped."""
+    with Peer(timeout=60) as peer:
+        life = peer.call(_identity)[2]
+        maps, fds = peer.call(_maps_and_fds)
+    name = f"torch_ipc.life.{life:08x}"
+    assert any(name in target for target in fds), fds
+    assert name not in maps
+
+
 def test_a_process_of_another_namespace_lives_until_killed_by_its_life_file():
     with Peer(timeout=60) as peer:
         identity = peer.call(_identity)
