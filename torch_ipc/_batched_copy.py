@@ -91,7 +91,7 @@ def item_size(nbytes: int, blocks: int, min_items: int = 1) -> int:
     kv_bench.py runs on an H100 (2026-11-25, 2026-11-26 12:51 UTC): eight
     times the blocks, each with less to do, keep the SMs busier to the end of
     the launch. So LARGEST_ITEM is ITEM_BYTES now. The table itself is
-    filled in C++ (_C.fill_block_items, which checks every id against the
+    filled in C++ (_C.launch_block_items, which checks every id against the
     pool's chunks before it writes an address): built with tensor ops it cost
     134 us of host time a gather on the H100 machine, a third of the 512 MiB
     copy it launches."""

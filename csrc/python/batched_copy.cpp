@@ -3,6 +3,8 @@
 // by the kv and weights features.
 #include "cuda/batched_copy.h"
 
+#include <algorithm>
+
 #include "base/errors.h"
 
 #include "cuda/copy_engine.h"
@@ -38,6 +40,18 @@ std::vector<BlockSpan> block_spans(const SpanTuples& spans) {
 
 void bind_block_items(py::module_& m) {
   m.def(
+      "block_id_range",
+      [](py::buffer ids) {
+        BlockIds held = block_ids(ids);
+        const size_t n = held.size();
+        TORCH_IPC_CHECK_VALUE(n > 0, "torch_ipc: no block ids");
+        const auto [low, high] = std::minmax_element(held.first(), held.first() + n);
+        return py::make_tuple(*low, *high);
+      },
+      py::arg("ids"),
+      "(smallest, largest) of block ids packed as int64 (array('q')): what min() and max() give, "
+      "without making a Python int per id.");
+  m.def(
       "fill_block_items",
       [](at::Tensor& table, py::buffer ids, const SpanTuples& spans, int64_t block_bytes, int64_t rows, bool into_rows,
          int64_t item_bytes) {
@@ -53,6 +67,33 @@ void bind_block_items(py::module_& m) {
       },
       py::arg("table"), py::arg("ids"), py::arg("spans"), py::arg("block_bytes"), py::arg("rows"), py::arg("into_rows"),
       py::arg("item_bytes"));
+}
+
+void bind_launch_block_items(py::module_& m) {
+  m.def(
+      "launch_block_items",
+      [](py::buffer ids, const SpanTuples& spans, int64_t block_bytes, int64_t rows, bool into_rows, int64_t item_bytes,
+         int device) {
+        // Note [a gather's host time] in torch_ipc/kv/_copies.py. The tables live as long as
+        // the launch needs them: torch's caching host allocator keeps the pinned block until
+        // the copy has run; the device one is reused only by work queued after the launch.
+        BlockIds held = block_ids(ids);
+        TORCH_IPC_CHECK_VALUE(block_bytes > 0 && item_bytes > 0, "torch_ipc: block items of ", item_bytes,
+                              " bytes for blocks of ", block_bytes);
+        const int64_t per_block = (block_bytes + item_bytes - 1) / item_bytes;
+        at::Tensor table = at::empty({static_cast<int64_t>(held.size()) * per_block, 4},
+                                     at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+        fill_block_items(table.data_ptr<int64_t>(), held.first(), held.size(), block_spans(spans), block_bytes, rows,
+                         into_rows, item_bytes);
+        launch_batched(table.to(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)), /*non_blocking=*/true),
+                       BatchedKernel::Copy);
+      },
+      py::arg("ids"), py::arg("spans"), py::arg("block_bytes"), py::arg("rows"), py::arg("into_rows"),
+      py::arg("item_bytes"), py::arg("device"),
+      "Fill a pinned table of the items that copy blocks `ids` to or from `rows` (every id checked against "
+      "`spans` first), copy it to CUDA `device` on its current "
+      "stream without waiting, and launch the copy kernel over it: a KV gather's or scatter's host side in one "
+      "call.");
 }
 
 void bind_copy_engine(py::module_& m) {
@@ -117,6 +158,7 @@ void bind_batched_copy(py::module_& m) {
       py::arg("device"));
   m.attr("batched_item_bytes") = kBatchedItemBytes;
   bind_block_items(m);
+  bind_launch_block_items(m);
   bind_copy_engine(m);
 }
 

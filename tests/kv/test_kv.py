@@ -474,6 +474,10 @@ def test_pool_outlives_its_owner(device, ipc_spawn):
 def test_gather_scatter_check_their_arguments(pool):
     with pytest.raises(IndexError, match="out of range"):
         pool.gather([0, 16])
+    with pytest.raises(IndexError, match="block id 17 is out of range"):  # the largest and smallest ids are checked
+        pool.gather([3, 17, 1, 16])
+    with pytest.raises(IndexError, match="block id -2 is out of range"):
+        pool.gather([3, -2, 1, -1])
     with pytest.raises(ValueError, match="shape"):
         pool.scatter([0, 1], torch.zeros(1, *SHAPE, dtype=torch.int32))
     with pytest.raises(ValueError, match="twice"):

