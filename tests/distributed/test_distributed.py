@@ -7,6 +7,7 @@ import random
 import signal
 
 import distributed_helpers as dh
+import ipc_test_utils as u
 import pytest
 import torch
 import weights_helpers as wh
@@ -215,6 +216,28 @@ def test_kv_pieces_runs_straight_and_short_runs_gathered():
         assert memory.view([5, 6, 7]).data_ptr() == pool.block(5).data_ptr() and memory.view([5, 7]) is None
     finally:
         pool.close()
+    pool = SharedKVPool(32, (4,), torch.float16, blocks_per_chunk=8)  # chunks of blocks 0-7, 8-15, ...
+    try:
+        memory = _ChunkRuns(pool)
+        assert list(memory.runs([5, 6, 7, 8, 9, 3, 16, 15, 14])) == [(0, 3), (3, 5), (5, 6), (6, 7), (7, 8), (8, 9)]
+        rng = random.Random(u.new_seed())
+        for _ in range(200):  # the same runs as one step per id would find
+            ids = [rng.randrange(32) if rng.random() < 0.3 else None for _ in range(rng.randrange(1, 40))]
+            ids = [b if b is not None else (ids[i - 1] or 0) + 1 for i, b in enumerate(ids)]
+            assert list(memory.runs(ids)) == _runs_one_id_at_a_time(memory, ids), ids
+    finally:
+        pool.close()
+
+
+def _runs_one_id_at_a_time(memory, ids):
+    out, lo = [], 0
+    for i in range(1, len(ids) + 1):
+        if i < len(ids) and ids[i] == ids[i - 1] + 1 and memory._chunk(ids[i]) == memory._chunk(ids[lo]) \
+                and memory._chunk(ids[i]) < len(memory.chunks):
+            continue
+        out.append((lo, i))
+        lo = i
+    return out
 
 
 def test_kv_headers_are_checked_field_by_field():
@@ -291,7 +314,7 @@ def test_kv_send_without_transfer_keeps_the_blocks_and_refusals_keep_the_pair_in
         prefill.call(dh.kv_send, ids[:4], 1, meta={"tokens": list(range(3000))})
         got = decode.result()
         assert len(got["ids"]) == 4 and got["meta"] == {"tokens": list(range(3000))}
-        with pytest.raises(Exception, match="does not hold"):
+        with pytest.raises(Exception, match="cannot hand over block .*: it is free"):
             prefill.call(dh.kv_send, ids[:4], 1)  # given away above
         for peer in (prefill, decode):
             peer.call(dh.kv_close)
@@ -379,7 +402,7 @@ def test_kv_send_checks_its_arguments_before_sending(tmp_path):
     pool = SharedKVPool(8, SHAPE, DTYPE)
     try:
         ids = pool.allocate(2)
-        with pytest.raises(ValueError, match="does not hold"):
+        with pytest.raises(ValueError, match="cannot hand over block 7: it is free"):
             send_blocks(pool, [ids[0], 7], 0)
         with pytest.raises(ValueError, match="twice"):
             send_blocks(pool, [ids[0], ids[0]], 0)

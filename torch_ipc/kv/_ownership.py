@@ -70,6 +70,11 @@ class Ownership:
                 s.pending_ids.difference_update(packed)
                 s.allocator.free(packed.tobytes())
 
+    def check_held(self, packed: bytes) -> None:
+        """Every id of `packed` (int64 bytes) is a block this process holds, listed once; else
+        IndexError or ValueError naming the first that is not (in C++: no list of every held block)."""
+        self._state.allocator.check_held(packed)
+
     def held(self) -> List[int]:
         return self._state.allocator.held_by_self()
 
