@@ -13,7 +13,8 @@ handover  A writer process hands 256 block ids with its ordering signal to a
           block (a device-to-host copy); timed by the reader from its "go" to
           the read's return. Floor: the same Connection's round trip with a
           message of the same size and no pool (the writer writes the same
-          element before either reply). Target: <= +30 us. Also shown:
+          element before either reply), its rounds alternating with the
+          hand-over's. Target: <= +30 us. Also shown:
           the read alone, so the hand-over's own cost is visible.
           --handover-settled (GPU): the same again with the writer's GPU
           work finished before it sends (both loops), so the event has
@@ -96,7 +97,7 @@ def sync(device):
 # ----------------------------------------------------------------------------- hand-over
 
 
-def handover_writer(address, data, block_shape, dtype, iters, warmup, settle):
+def handover_writer(address, data, block_shape, dtype, settle):
     import torch_ipc
     from torch_ipc.kv import SharedKVPool
 
@@ -105,20 +106,18 @@ def handover_writer(address, data, block_shape, dtype, iters, warmup, settle):
         # The channel's own round trip: a message of the hand-over's size.
         plain = ("x" * 16, "y" * 30, 1, 2, 3, True, bytes(8 * N_IDS), b"e" * 90, None)
         ids = pool.allocate(N_IDS)
-        for _ in range(warmup + iters):
-            conn.recv()
-            pool.block(ids[0]).view(-1)[:1].fill_(1)  # the same writes as below
-            if settle:
-                sync(str(pool.device))
-            conn.send(plain)
-        for _ in range(warmup + iters):
-            conn.recv()
-            pool.block(ids[0]).view(-1)[:1].fill_(1)  # the writes the signal orders
+        while True:
+            what = conn.recv()
+            if what == b"end":
+                break
+            pool.block(ids[0]).view(-1)[:1].fill_(1)  # the writes the signal orders (the same for the floor)
             if settle:  # the event is complete when it arrives: the reader's stream waits for nothing
                 sync(str(pool.device))
-            pool.send(ids, conn)
-            ids = pool.allocate(N_IDS)  # the next round's, while the reader works
-        conn.recv()
+            if what == b"floor":
+                conn.send(plain)
+            else:
+                pool.send(ids, conn)
+                ids = pool.allocate(N_IDS)  # the next round's, while the reader works
     pool.close()
 
 
@@ -133,19 +132,20 @@ def bench_handover(args, device, dtype, block_shape, settle=False):
     with torch_ipc.listen(authkey=AUTHKEY) as listener:
         writer = ctx.Process(
             target=handover_writer,
-            args=(listener.address, data, block_shape, dtype, args.iters, args.warmup, settle),
+            args=(listener.address, data, block_shape, dtype, settle),
         )
         writer.start()
         try:
             conn = listener.accept()
             floor, handover, read = [], [], []
+            # floor and hand-over alternate, so that a drift of the machine (clocks, other load)
+            # between two loops does not show as the hand-over's cost
             for i in range(args.warmup + args.iters):
                 t0 = time.perf_counter_ns()
-                conn.send(b"go")
+                conn.send(b"floor")
                 conn.recv()
                 if i >= args.warmup:
                     floor.append(time.perf_counter_ns() - t0)
-            for i in range(args.warmup + args.iters):
                 t0 = time.perf_counter_ns()
                 conn.send(b"go")
                 got = pool.recv(conn)
