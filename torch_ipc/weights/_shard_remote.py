@@ -133,13 +133,12 @@ class _Waits:
         unpack of a bucket or the reuse of its staging follows it there), and
         any other transfer is waited for now; else both wait for close()."""
         for work, (_, tensor, peer) in zip(works, ops):
-            polled = _polled(self.transport, tensor)
-            if ordered and polled:
-                work.wait()
-            if ordered and not polled:
+            if ordered and not _polled(self.transport, tensor):
                 self._finish(work, tensor, peer)
-            else:
-                self.pending.append((work, tensor, peer))
+                continue
+            if ordered:
+                work.wait()
+            self.pending.append((work, tensor, peer))
 
     def close(self) -> None:
         for work, tensor, peer in self.pending:
@@ -242,8 +241,10 @@ class Sender:
         # per peer, per bucket: the live shard's bytes to send in place, or the
         # copies into staging (Note [sends beside the snapshot] in sharded.py)
         self.direct = [[in_place(b) for b in plan] for plan in self.plans]
-        self.device = next(iter(views.values())).device
-        self.schedule = _Schedule(self.ends, self.direct, self.device)
+        device = next(iter(views.values())).device
+        self.schedule = _Schedule(self.ends, self.direct, device)
+        # posts_ahead(): the buckets decide, not the headers (asked once, not per publish)
+        self._posts_ahead = _polled(transport, torch.empty(0, device=device))
         self.packs = [[None if direct[k] is not None else
                        BatchedCopy([(source(p), _piece_view(self.schedule.buffer(i, k, self.ends[i][k]), p,
                                                             wire[p.name])) for p in b])
@@ -262,7 +263,7 @@ class Sender:
         ("cuda:nccl,cpu:gloo", what init_process_group() makes by default)
         moves its headers over gloo and its buckets over NCCL, and start()
         leaves a header's wait to finish()."""
-        return _polled(self.transport, torch.empty(0, device=self.device))
+        return self._posts_ahead
 
     def send(self, version: int, timeout: float) -> None:
         """Send `version` (the live shards' values) to every engine rank;
