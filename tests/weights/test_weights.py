@@ -439,6 +439,25 @@ def test_item_tables_cover_every_byte_once():
     assert not out[12:13].any() and not out[3 * chunk + 4000 :].any()  # nothing outside the pairs
 
 
+@pytest.mark.parametrize("kind", [0, 1])
+def test_a_copy_beside_transfers_is_cut_into_about_that_many_items(kind):
+    """Note [copies beside transfers]: ``items`` makes the items larger (a
+    few tens of blocks, not one per ITEM_BYTES), never smaller, and the
+    table still covers every element once, as torch copies them."""
+    from torch_ipc import _C
+    from torch_ipc.weights._copy import item_table
+
+    n = _C.batched_item_bytes * 10 + 12345  # elements: 40 items of fp32 by default, 10 of bytes per ITEM
+    src = torch.randn(n + 1)[1:]  # off 16-byte alignment
+    dst = torch.zeros(n, dtype=torch.bfloat16 if kind else torch.float32)
+    default = item_table([(src, dst)], kind, torch.device("cpu"))
+    table = item_table([(src, dst)], kind, torch.device("cpu"), items=8)
+    assert default.shape[0] > 32 and 8 <= table.shape[0] <= 9, (default.shape, table.shape)
+    assert item_table([(src, dst)], kind, torch.device("cpu"), items=1 << 20).shape == default.shape
+    u.run_table_on_cpu(table, kind)
+    assert torch.equal(dst, src.to(dst.dtype))
+
+
 def test_conversion_item_tables_match_torch():
     from torch_ipc import _C
     from torch_ipc.weights._copy import item_table

@@ -135,8 +135,8 @@ class BlockCopies:
     def gather(self, ids: Ids, out: Optional[torch.Tensor]) -> torch.Tensor:
         s = self._state
         packed = pack(ids)
-        copy_method()  # a bad TORCH_IPC_KV_COPY is refused before anything is allocated or copied
         device = self._chunks.device()
+        path = self._path()  # a bad TORCH_IPC_KV_COPY is refused before anything is allocated or copied
         if out is None:
             out = torch.empty((len(packed), *s.block_shape), dtype=s.dtype, device=device)
         elif (
@@ -149,7 +149,6 @@ class BlockCopies:
                 f"out must be a contiguous {s.dtype} tensor of shape {(len(packed), *s.block_shape)} "
                 f"on {s.device}"
             )
-        path = self._path()
         if path != _INDEX_SELECT:
             if len(packed):
                 self._copy_by(path, packed, out, into_rows=True)

