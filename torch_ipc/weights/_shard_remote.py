@@ -254,12 +254,15 @@ class Sender:
         # Note [headers in the first round's batch]
         # The headers are posted in the batch of the first round when both go
         # the same way (an NCCL group: one group call, where a group of both
-        # backends moves the headers over gloo): a batch of its own cost the
-        # trainer ~0.16 ms of host before the first bucket was posted (.gpu
-        # timeline, two H100s). The engine still posts its header receives on
-        # their own: it checks them before anything lands in its tensors
-        # (Note [receives posted before the header]). NCCL pairs the k-th send
-        # of a pair with its k-th receive whatever the group calls.
+        # backends moves the headers over gloo): a batch of its own cost each
+        # side 0.1-0.2 ms of host before the first bucket was posted (a
+        # timeline of one version on two H100s), and NCCL cannot move a bucket
+        # before both sides posted it. An engine does so only when its first
+        # round lands in staging (Note [receives posted before the header]):
+        # it checks the headers once that batch completed, before anything
+        # lands in its tensors; its second round is posted meanwhile. NCCL
+        # pairs the k-th send of a pair with its k-th receive whatever the
+        # group calls.
         self._headers_ride = self._posts_ahead and _polled(transport, torch.empty(0, device=transport.control_device))
         self.packs = [[None if direct[k] is not None else
                        BatchedCopy([(source(p), _piece_view(self.schedule.buffer(i, k, self.ends[i][k]), p,
@@ -272,6 +275,7 @@ class Sender:
         # (a blocking copy: a publish() on another stream than this one then finds it there)
         self.headers = [torch.tensor([MAGIC, 0, len(plan)], dtype=torch.int64).to(transport.control_device)
                         for plan in self.plans]
+        self._version_words = [header[1:2] for header in self.headers]
 
     def posts_ahead(self) -> bool:
         """Whether start() only posts (NCCL: the transfers are polled at the
@@ -294,8 +298,8 @@ class Sender:
         ``finish()`` posts the rest and waits (Note [sends beside the
         snapshot] in sharded.py: the snapshot is queued in between)."""
         waits = _Waits(self.transport, timeout, version)
-        for header in self.headers:  # the last version's sends are all done: finish() waited for them
-            header[1] = version
+        for word in self._version_words:  # the last version's sends are all done: finish() waited for them
+            word.fill_(version)  # one kernel (the header is on the GPU in an NCCL group); header[1] = took ~60 us
         header_ops = [("send", header, e) for header, e in zip(self.headers, self.engines)]
         riding = self._headers_ride and self.schedule.count() > 0  # Note [headers in the first round's batch]
         if not riding:  # waited for by finish(): NCCL's buckets queue behind them, gloo's wait in turn
@@ -427,6 +431,8 @@ class Receiver:
         # Note [receives posted before the header]: only into staging, never into the model
         self.early = all(self.direct[i][k] is None for r in range(min(IN_FLIGHT, self.schedule.count()))
                          for i, k in _round_buckets(self.schedule, r))
+        self._headers_ride = self.schedule.count() > 0 and _polled(transport, torch.empty(0, device=device)) and \
+            _polled(transport, torch.empty(0, device=transport.control_device))
         self.headers = [torch.zeros(HEADER_WORDS, dtype=torch.int64, device=transport.control_device)
                         for _ in self.trainers]
         self.version = 0
@@ -451,11 +457,16 @@ class Receiver:
     def _pull(self, timeout: Optional[float]) -> int:
         header_ops = [("recv", header, t) for header, t in zip(self.headers, self.trainers)]
         first = _Waits(self.transport, timeout, self.version + 1, POLL_SLEEP)  # Note [polling a version]
-        header_works = _post(self.transport, header_ops)
+        riding = self.early and self._headers_ride  # Note [headers in the first round's batch]
+        header_works = [] if riding else _post(self.transport, header_ops)
         rounds_waits: List[_Waits] = []  # made once the header came: the transfer timeout starts there
 
         def post(r: int) -> Tuple[List[Any], List[_dist.P2P]]:
             ops = self.round_ops[r][1]
+            if r == 0 and riding:  # the header's work is round 0's: it completes once both landed
+                ops = header_ops + ops
+                header_works.extend(_post(self.transport, ops))
+                return header_works, ops
             return _post(self.transport, ops), ops
 
         def finish(r: int, posted) -> None:
