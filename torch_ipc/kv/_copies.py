@@ -132,7 +132,10 @@ class BlockCopies:
         self._chunks = chunks
         self._spans: Optional[List[Tuple[int, int, int]]] = None  # spans() until the pool grows
 
-    def gather(self, ids: Ids, out: Optional[torch.Tensor]) -> torch.Tensor:
+    def gather(self, ids: Ids, out: Optional[torch.Tensor], beside_transfers: bool = False) -> torch.Tensor:
+        """``beside_transfers``: the copy runs beside a transfer (a remote send's
+        next piece): the kernel takes one item a block, a few SMs (Note [copies
+        beside transfers] in torch_ipc/weights/_copy.py)."""
         s = self._state
         packed = pack(ids)
         device = self._chunks.device()
@@ -151,7 +154,7 @@ class BlockCopies:
             )
         if path != _INDEX_SELECT:
             if len(packed):
-                self._copy_by(path, packed, out, into_rows=True)
+                self._copy_by(path, packed, out, into_rows=True, beside_transfers=beside_transfers)
             return out
         for chunk, index, positions in self._index(packed):
             source, rows = self._rows(s.chunks[chunk], out)
@@ -161,7 +164,7 @@ class BlockCopies:
                 rows[positions] = source.index_select(0, index)
         return out
 
-    def scatter(self, ids: Ids, src: torch.Tensor) -> None:
+    def scatter(self, ids: Ids, src: torch.Tensor, beside_transfers: bool = False) -> None:
         s = self._state
         packed = pack(ids)
         if tuple(src.shape) != (len(packed), *s.block_shape) or src.dtype != s.dtype:
@@ -172,7 +175,7 @@ class BlockCopies:
         src = src.to(self._chunks.device()).contiguous()
         if path != _INDEX_SELECT:
             if len(packed):
-                self._copy_by(path, packed, src, into_rows=False)
+                self._copy_by(path, packed, src, into_rows=False, beside_transfers=beside_transfers)
             return
         for chunk, index, positions in self._index(packed):
             target, rows = self._rows(s.chunks[chunk], src)
@@ -224,15 +227,18 @@ class BlockCopies:
         _C.fill_block_items(table, packed, self.spans(), block_bytes, rows.data_ptr(), into_rows, size)
         return table
 
-    def _copy_by(self, path: str, packed: array, rows: torch.Tensor, into_rows: bool) -> None:
+    def _copy_by(self, path: str, packed: array, rows: torch.Tensor, into_rows: bool,
+                 beside_transfers: bool = False) -> None:
         """Copy the blocks `packed` (not empty) into the rows of contiguous `rows` (gather) or
-        back (scatter) on the current stream, by the kernel or the copy engines (Note [kv copies])."""
+        back (scatter) on the current stream, by the kernel or the copy engines (Note [kv copies]);
+        beside transfers, the kernel's items are whole blocks."""
         device = self._state.device
         index = torch.cuda.current_device() if device.index is None else device.index
         self._chunks.check_ids(packed)  # here and again where each address is formed (Note [block items])
         block_bytes = self._state.block_bytes
         if path == _KERNEL:  # Note [a gather's host time]
-            size = _batched_copy.item_size(block_bytes, len(packed), _batched_copy.sm_count(device))
+            size = block_bytes if beside_transfers else \
+                _batched_copy.item_size(block_bytes, len(packed), _batched_copy.sm_count(device))
             _C.launch_block_items(packed, self.spans(), block_bytes, rows.data_ptr(), into_rows, size, index)
             return
         _C.copy_blocks_by_engine(packed, self.spans(), block_bytes, rows.data_ptr(), into_rows, index,

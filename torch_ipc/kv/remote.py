@@ -290,8 +290,8 @@ def _send_pieces(transport: Transport, pool: SharedKVPool, memory: _ChunkRuns, i
     for lo, hi in _bounds(lengths):
         data = memory.view(ids[lo:hi])
         buffer, staged = in_flight.prepare(data)
-        if buffer is not None:
-            data = pool.gather(ids[lo:hi], out=buffer[: hi - lo])
+        if buffer is not None:  # the first piece's gather on every SM; the others beside the sends
+            data = pool._copies.gather(ids[lo:hi], buffer[: hi - lo], beside_transfers=lo > 0)
         in_flight.add(transport.send(data, dst), staged, buffer)
     for work, message in header:
         _dist.finish(work, message)  # the receiver has taken the header
@@ -381,9 +381,9 @@ def _receive_pieces(transport: Transport, pool: SharedKVPool, ids: List[int], le
     for lo, hi in _bounds(lengths):
         target, then = memory.view(ids[lo:hi]), None
         buffer, staged = in_flight.prepare(target)
-        if buffer is not None:
+        if buffer is not None:  # every scatter but the last runs beside a receive
             target = buffer[: hi - lo]
-            then = functools.partial(pool.scatter, ids[lo:hi], target)
+            then = functools.partial(pool._copies.scatter, ids[lo:hi], target, beside_transfers=hi < len(ids))
         in_flight.add(transport.recv(target, src), staged, buffer, then)
     in_flight.drain()
 
