@@ -71,9 +71,11 @@ def byte_runs(src: torch.Tensor, dst: torch.Tensor) -> Optional[Tuple[torch.Tens
 # that runs beside transfers is therefore cut into about `items` items (a
 # few tens: it takes a few SMs, runs ~2-3x longer, and is still hidden behind
 # the transfer): with 32 items per bucket the rounds took 0.71-0.77 ms and a
-# version 5.17-5.35 ms instead of 5.58-5.60 (.gpu timeline, two H100s,
-# 2026-11-26). A copy on the critical path (the first pack, the last unpack)
-# keeps the default, every SM.
+# version 5.17-5.35 ms instead of 5.58-5.60, but the small first and last
+# buckets then had 3-4 items and their copies took ~0.2 ms on the critical
+# path. So a copy there (the first pack, the last unpack) keeps the default,
+# every SM: 5.17-5.18 ms (benchmarks/sharded_timeline.py, two H100s,
+# 2026-11-26; benchmarks/RESULTS.md).
 BESIDE_TRANSFERS = 32
 
 

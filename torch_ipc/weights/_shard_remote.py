@@ -69,7 +69,7 @@ def _itemsizes(sources: Mapping[str, List[Tuple[int, Held]]]) -> Dict[str, int]:
 # at most 20 us once its headers came (ROUND_POLL_SLEEP), not the 1 ms of
 # other control waits: a pull or a publish returns at most that late after
 # its last transfer (a 1.5 GB version is ~4 ms on NVLink). 100 us there cost
-# the two-node pull ~0.15 ms a version (5.71 -> 5.54 ms, .gpu timeline on two
+# the two-node pull ~0.15 ms a version (5.71 -> 5.54 ms, sharded_timeline.py on two
 # H100s, 2026-11-26), and a version's rounds are a few ms: a few hundred
 # wake-ups. An engine waiting for the next version to start (the headers)
 # sleeps up to 100 us (POLL_SLEEP): at most 10000 wake-ups a second for as
