@@ -5,7 +5,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ._copy import BESIDE_TRANSFERS, BatchedCopy
+from ._copy import BatchedCopy
 from ._errors import WeightsMismatchError
 from ._layout import Layout, typed_view
 
@@ -121,12 +121,10 @@ class PullPlan:
             self._copies[key] = BatchedCopy(self._pairs(bucket, half))
         return self._copies[key]
 
-    def copy_range(self, k: int, lo: int, hi: int, beside_transfers: bool = False) -> BatchedCopy:
+    def copy_range(self, k: int, lo: int, hi: int) -> BatchedCopy:
         """The copies of a direct-mode snapshot's bytes [lo, hi) into
         contiguous destinations (Note [pulling a relayed version as it
-        lands] in relay.py); copy_rest() holds the others.
-        ``beside_transfers``: while the next range lands (Note [copies
-        beside transfers] in _copy.py)."""
+        lands] in relay.py); copy_rest() holds the others."""
         key = ("range", k)
         if key not in self._copies:
             pairs = []
@@ -134,7 +132,7 @@ class PullPlan:
                 src = self.sources[e.name].view(-1)[first : first + count]
                 pairs += [(src, flat[start + first : start + first + count])
                           for flat, start in self._consumers.get(e.name, ())]
-            self._copies[key] = BatchedCopy(pairs, items=BESIDE_TRANSFERS if beside_transfers else None)
+            self._copies[key] = BatchedCopy(pairs)
         return self._copies[key]
 
     @property

@@ -224,7 +224,7 @@ class Subscriber(Closeable):
                     f"{len(ranges)} pieces; the model holds part of it: pull again")
             if event is not None:
                 self._after_publish(event)
-            plan.copy_range(j, lo, hi, beside_transfers=j < len(ranges) - 1).run()
+            plan.copy_range(j, lo, hi).run()
         if plan.needs_whole:
             ctl.spin_until(lambda: c.load(ctl.PUBLISHED) >= version, self._check_publisher, deadline, 2e-4)
             self._after_publish()
