@@ -36,6 +36,10 @@ def pytest_configure(config):
     if hasattr(config, "workerinput") or _SCRATCH_KEY in os.environ:
         return  # an xdist worker (or a nested run): the controller set it up
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    # numpy's OpenBLAS starts a thread a core in every interpreter that imports
+    # torch, and they spin: ~5% of each of the suite's ~60 fresh interpreters'
+    # CPU time on a 2-core machine, in a suite that keeps both cores busy.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     # torch's own caches (torch.compile's, which DTensor tests reach) stay
     # where torch keeps them: they are torch's, not something the suite left.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{os.getuid()}"))
