@@ -260,9 +260,13 @@ class Sender:
         # before both sides posted it. An engine does so only when its first
         # round lands in staging (Note [receives posted before the header]):
         # it checks the headers once that batch completed, before anything
-        # lands in its tensors; its second round is posted meanwhile. NCCL
-        # pairs the k-th send of a pair with its k-th receive whatever the
-        # group calls.
+        # lands in its tensors; its second round is posted meanwhile. So its
+        # wait for a version to start (pull()'s own timeout) covers the first
+        # round too, the smallest bucket (~24 MiB of 1.5 GB, ~0.1 ms): a
+        # trainer that dies within it leaves the pull waiting as for a
+        # version not yet started, not for the transfer timeout. NCCL pairs
+        # the k-th send of a pair with its k-th receive whatever the group
+        # calls.
         self._headers_ride = self._posts_ahead and _polled(transport, torch.empty(0, device=transport.control_device))
         self.packs = [[None if direct[k] is not None else
                        BatchedCopy([(source(p), _piece_view(self.schedule.buffer(i, k, self.ends[i][k]), p,
