@@ -129,8 +129,9 @@ class _Waits:
     failure names the peer and says the group is gone."""
 
     def __init__(self, transport: _dist.Transport, timeout: Optional[float], version: int,
-                 poll_sleep: float = ROUND_POLL_SLEEP):
-        self.transport, self.timeout, self.version, self.poll_sleep = transport, timeout, version, poll_sleep
+                 poll_sleep: Optional[float] = None):
+        self.transport, self.timeout, self.version = transport, timeout, version
+        self.poll_sleep = ROUND_POLL_SLEEP if poll_sleep is None else poll_sleep
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.pending: List[Tuple[Any, torch.Tensor, int]] = []  # waited for by close()
 
@@ -253,21 +254,26 @@ class Sender:
         self._posts_ahead = _polled(transport, torch.empty(0, device=device))
         # Note [headers in the first round's batch]
         # The headers are posted in the batch of the first round when both go
-        # the same way (an NCCL group: one group call, where a group of both
-        # backends moves the headers over gloo): a batch of its own cost each
-        # side 0.1-0.2 ms of host before the first bucket was posted (a
-        # timeline of one version on two H100s), and NCCL cannot move a bucket
-        # before both sides posted it. An engine does so only when its first
-        # round lands in staging (Note [receives posted before the header]):
-        # it checks the headers once that batch completed, before anything
-        # lands in its tensors; its second round is posted meanwhile. So its
-        # wait for a version to start (pull()'s own timeout) covers the first
-        # round too, the smallest bucket (~24 MiB of 1.5 GB, ~0.1 ms): a
-        # trainer that dies within it leaves the pull waiting as for a
-        # version not yet started, not for the transfer timeout. NCCL pairs
-        # the k-th send of a pair with its k-th receive whatever the group
-        # calls.
-        self._headers_ride = self._posts_ahead and _polled(transport, torch.empty(0, device=transport.control_device))
+        # the same way (an NCCL group on the buckets' GPU: one group call,
+        # where a group of both backends moves the headers over gloo): a
+        # batch of its own cost each side 0.1-0.2 ms of host before the first
+        # bucket was posted (a timeline of one version on two H100s), and
+        # NCCL cannot move a bucket before both sides posted it. A trainer
+        # does so only when it sends to one engine rank: an engine whose first
+        # round lands in its tensors checks the headers on the host before it
+        # posts that round, and with several engines the trainer's header to
+        # one could wait in NCCL behind its first bucket to another whose
+        # engine waits in turn for a header stuck the same way. An engine
+        # does so only when its first round lands in staging (Note [receives
+        # posted before the header]): it checks the headers once that batch
+        # completed, before anything lands in its tensors; its second round
+        # is posted meanwhile. So its wait for a version to start (pull()'s
+        # own timeout) covers the first round too, the smallest bucket
+        # (~24 MiB of 1.5 GB, ~0.1 ms): a trainer that dies within it leaves
+        # the pull waiting as for a version not yet started, not for the
+        # transfer timeout. NCCL pairs the k-th send of a pair with its k-th
+        # receive whatever the group calls.
+        self._headers_ride = len(self.engines) == 1 and self._posts_ahead and device == transport.control_device
         self.packs = [[None if direct[k] is not None else
                        BatchedCopy([(source(p), _piece_view(self.schedule.buffer(i, k, self.ends[i][k]), p,
                                                             wire[p.name])) for p in b],
@@ -436,7 +442,7 @@ class Receiver:
         self.early = all(self.direct[i][k] is None for r in range(min(IN_FLIGHT, self.schedule.count()))
                          for i, k in _round_buckets(self.schedule, r))
         self._headers_ride = self.schedule.count() > 0 and _polled(transport, torch.empty(0, device=device)) and \
-            _polled(transport, torch.empty(0, device=transport.control_device))
+            device == transport.control_device
         self.headers = [torch.zeros(HEADER_WORDS, dtype=torch.int64, device=transport.control_device)
                         for _ in self.trainers]
         self.version = 0
@@ -445,10 +451,12 @@ class Receiver:
     def pull(self, timeout: Optional[float] = None) -> int:
         """Receive the next version from every trainer rank into the engine's
         tensors. ``timeout``: how long to wait for it to start (None: as
-        long as it takes); its buckets then arrive within the transfer
-        timeout, else TimeoutError. A pull that raised (Ctrl-C included)
-        may have left receives posted: later ones raise (the group is out
-        of step; Note [a dead engine rank] in sharded.py)."""
+        long as it takes; over NCCL its first bucket may count as part of the
+        start: Note [headers in the first round's batch]); its buckets then
+        arrive within the transfer timeout, else TimeoutError. A pull that
+        raised (Ctrl-C included) may have left receives posted: later ones
+        raise (the group is out of step; Note [a dead engine rank] in
+        sharded.py)."""
         if self.broken is not None:
             raise RuntimeError(f"torch_ipc.weights: an earlier pull() of this engine rank stopped half way "
                                f"({self.broken}); {REBUILD}")
