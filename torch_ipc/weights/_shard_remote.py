@@ -273,7 +273,8 @@ class Sender:
         # the pull waiting as for a version not yet started, not for the
         # transfer timeout. NCCL pairs the k-th send of a pair with its k-th
         # receive whatever the group calls.
-        self._headers_ride = len(self.engines) == 1 and self._posts_ahead and device == transport.control_device
+        self._headers_ride = len(self.engines) == 1 and self._posts_ahead and device == transport.control_device \
+            and self.schedule.count() > 0
         self.packs = [[None if direct[k] is not None else
                        BatchedCopy([(source(p), _piece_view(self.schedule.buffer(i, k, self.ends[i][k]), p,
                                                             wire[p.name])) for p in b],
@@ -311,7 +312,7 @@ class Sender:
         for word in self._version_words:  # the last version's sends are all done: finish() waited for them
             word.fill_(version)  # one kernel (the header is on the GPU in an NCCL group); header[1] = took ~60 us
         header_ops = [("send", header, e) for header, e in zip(self.headers, self.engines)]
-        riding = self._headers_ride and self.schedule.count() > 0  # Note [headers in the first round's batch]
+        riding = self._headers_ride  # Note [headers in the first round's batch]
         if not riding:  # waited for by finish(): NCCL's buckets queue behind them, gloo's wait in turn
             waits.wait(_post(self.transport, header_ops), header_ops, ordered=False)
 
@@ -441,8 +442,8 @@ class Receiver:
         # Note [receives posted before the header]: only into staging, never into the model
         self.early = all(self.direct[i][k] is None for r in range(min(IN_FLIGHT, self.schedule.count()))
                          for i, k in _round_buckets(self.schedule, r))
-        self._headers_ride = self.schedule.count() > 0 and _polled(transport, torch.empty(0, device=device)) and \
-            device == transport.control_device
+        self._headers_ride = self.early and self.schedule.count() > 0 and device == transport.control_device and \
+            _polled(transport, torch.empty(0, device=device))
         self.headers = [torch.zeros(HEADER_WORDS, dtype=torch.int64, device=transport.control_device)
                         for _ in self.trainers]
         self.version = 0
@@ -469,7 +470,7 @@ class Receiver:
     def _pull(self, timeout: Optional[float]) -> int:
         header_ops = [("recv", header, t) for header, t in zip(self.headers, self.trainers)]
         first = _Waits(self.transport, timeout, self.version + 1, POLL_SLEEP)  # Note [polling a version]
-        riding = self.early and self._headers_ride  # Note [headers in the first round's batch]
+        riding = self._headers_ride  # Note [headers in the first round's batch]
         header_works = [] if riding else _post(self.transport, header_ops)
         rounds_waits: List[_Waits] = []  # made once the header came: the transfer timeout starts there
 
