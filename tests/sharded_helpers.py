@@ -344,8 +344,9 @@ def dtensor_trainer_publish(last: int) -> int:
 
     pub, dtensors, mesh = HELD["pub"], HELD["dtensors"], HELD["mesh"]
     while pub.version < last:
-        for name, t in full_model(pub.version + 1).items():
-            dtensors[name].to_local().copy_(distribute_tensor(t, mesh, _placement(name, mesh.ndim)).to_local())
+        for name, t in full_model(pub.version + 1).items():  # every rank makes the full model: no collective
+            local = distribute_tensor(t, mesh, _placement(name, mesh.ndim), src_data_rank=None).to_local()
+            dtensors[name].to_local().copy_(local)
         pub.publish()
     return pub.version
 

@@ -578,3 +578,21 @@ def test_a_cuda_free_waits_for_the_reads_queued_before_it(device):
         torch.cuda.synchronize()
         assert u.poll_until(lambda: pool.free_blocks == 8, RECLAIM_S)
         assert pool.held() == []
+
+
+@CUDA_ONLY
+def test_an_allocate_short_of_blocks_waits_for_its_own_pending_frees(device):
+    """Note [deferred free]: too few free blocks, but this process's frees
+    still waiting for the GPU make up the difference: allocate() waits for
+    them; where they would not, it raises at once."""
+    with SharedKVPool(8, SHAPE, torch.int32, device) as pool:
+        ids = pool.allocate(8)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # the free below waits behind ~0.1 s
+        pool.free(ids[:3])
+        assert pool.free_blocks == 0
+        with pytest.raises(OutOfBlocksError):
+            pool.allocate(4)  # 3 pending would not do: no wait
+        assert pool.free_blocks == 0, "the refusal waited for the GPU"
+        got = pool.allocate(2)
+        assert len(got) == 2 and set(got) <= set(ids[:3]) and pool.free_blocks == 1

@@ -242,7 +242,10 @@ class SharedKVPool(Closeable):
 
     def allocate(self, n: int) -> List[int]:
         """``n`` free blocks, now held by this process (until :meth:`free`,
-        a hand-over, :meth:`close` or this process's exit)."""
+        a hand-over, :meth:`close` or this process's exit); else
+        :class:`OutOfBlocksError`. On a CUDA pool, where this process's own
+        frees still waiting for the GPU would make up the difference, it
+        waits for them first (Note [deferred free] in _ownership.py)."""
         self._check_open()
         return self._ownership.allocate(n)
 
