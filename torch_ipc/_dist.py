@@ -372,8 +372,6 @@ class DistTransport:
         self.backend = backend
         self.control_device = torch.device("cuda", torch.cuda.current_device()) if self.nccl_only \
             else torch.device("cpu")
-        self._coalescing: Dict[torch.device, Tuple[Optional[Any]]] = {}  # Note [posting a batch]
-        self._group_ranks: Dict[int, int] = {}
 
     def check_device(self, tensor: torch.Tensor) -> None:
         if self.nccl_only and tensor.device.type != "cuda":
@@ -402,61 +400,18 @@ class DistTransport:
         return _HostWork(work) if tensor.device.type == "cpu" else work
 
     def batch(self, ops: Sequence[P2P]) -> List[Any]:
-        """NCCL: one coalesced group call, as ``batch_isend_irecv`` makes
-        (the transfers of one group call go together, no ordering deadlock
-        between pairs; Note [posting a batch]); otherwise one isend / irecv
-        each (gloo moves them independently)."""
+        """NCCL: one ``batch_isend_irecv`` (the transfers of one group call
+        go together, no ordering deadlock between pairs); otherwise one
+        isend / irecv each (gloo moves them independently)."""
         ops = list(ops)
         for kind, _, _ in ops:
             if kind not in ("send", "recv"):
                 raise ValueError(f"torch_ipc: a batch holds 'send' and 'recv' transfers, not {kind!r}")
         if "nccl" not in self.backend or not ops:
             return [self.send(t, peer) if kind == "send" else self.recv(t, peer) for kind, t, peer in ops]
-        device = ops[0][1].device
-        pg = self._coalescing_group(device)
-        if pg is None:
-            p2p = [self._dist.P2POp(self._dist.isend if kind == "send" else self._dist.irecv, t, peer, self.group)
-                   for kind, t, peer in ops]
-            return list(self._dist.batch_isend_irecv(p2p))
-        # Note [posting a batch]
-        # What batch_isend_irecv does for NCCL, without its Python checks per
-        # op (P2POp, group and rank lookups): one coalesced group call. On
-        # two H200s (2026-11-26) posting a header and a bucket took 35-47 us
-        # of host instead of 52-80 us, a header and two buckets 42-53 us
-        # instead of 100 us. A version posts one batch per round on each
-        # side, the first ones before any byte moves. Where the process
-        # group lacks these calls (another torch), batch_isend_irecv.
-        for t in (t for _, t, _ in ops):
-            if t.device != device:
-                raise ValueError(f"torch_ipc: one batch of NCCL transfers spans {device} and {t.device}")
-        pg._start_coalescing(device)
-        try:
-            for kind, t, peer in ops:
-                (pg.send if kind == "send" else pg.recv)([t], self._group_rank(peer), 0)
-        finally:
-            work = pg._end_coalescing(device)
-        return [work]
-
-    def _coalescing_group(self, device: torch.device) -> Optional[Any]:
-        """The process group when it coalesces NCCL point-to-point calls itself, else None."""
-        cached = self._coalescing.get(device)
-        if cached is None:
-            pg = self.group if self.group is not None else self._dist.distributed_c10d._get_default_group()
-            try:
-                ok = pg._get_backend(device).supports_coalescing and \
-                    callable(pg._start_coalescing) and callable(pg._end_coalescing)
-            except (AttributeError, RuntimeError):
-                ok = False
-            cached = self._coalescing[device] = (pg if ok else None,)
-        return cached[0]
-
-    def _group_rank(self, rank: int) -> int:
-        if self.group is None:
-            return rank
-        got = self._group_ranks.get(rank)
-        if got is None:
-            got = self._group_ranks[rank] = self._dist.get_group_rank(self.group, rank)
-        return got
+        p2p = [self._dist.P2POp(self._dist.isend if kind == "send" else self._dist.irecv, t, peer, self.group)
+               for kind, t, peer in ops]
+        return list(self._dist.batch_isend_irecv(p2p))
 
     def through_host(self, tensor: torch.Tensor) -> bool:
         """Note [CUDA tensors over gloo]: gloo's point-to-point calls take host
