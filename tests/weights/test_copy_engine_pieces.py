@@ -9,7 +9,7 @@ import ctypes
 import pytest
 import torch
 
-from torch_ipc.weights._copy_engine import ENGINE_MIN_ROW_BYTES, copy_2d, engine_copy_of_peer_pair, peer_copy_mode
+from torch_ipc.weights._copy_engine import ENGINE_MIN_ROW_BYTES, copy_2d, engine_wanted
 
 
 def _run_on_host(desc) -> None:
@@ -57,29 +57,16 @@ def test_pairs_that_are_not_one_2d_copy_stay_with_the_kernel():
     assert copy_2d(cube[0, :0], torch.zeros(0, 1024)) is None
 
 
-def test_the_peer_copy_setting_is_kernel_engine_or_split(monkeypatch):
+def test_the_peer_copy_setting_is_engine_or_kernel(monkeypatch):
     monkeypatch.delenv("TORCH_IPC_PEER_COPY", raising=False)
-    assert peer_copy_mode() == "kernel"  # the default (Note [peer pieces on the copy engine])
-    for mode in ("engine", "kernel", "split"):
-        monkeypatch.setenv("TORCH_IPC_PEER_COPY", mode)
-        assert peer_copy_mode() == mode
+    assert not engine_wanted()  # the kernel by default (Note [peer pieces on the copy engine])
+    monkeypatch.setenv("TORCH_IPC_PEER_COPY", "engine")
+    assert engine_wanted()
+    monkeypatch.setenv("TORCH_IPC_PEER_COPY", "kernel")
+    assert not engine_wanted()
     monkeypatch.setenv("TORCH_IPC_PEER_COPY", "dma")
     with pytest.raises(ValueError, match="TORCH_IPC_PEER_COPY='dma'"):
-        peer_copy_mode()
-
-
-def test_split_gives_the_copy_engine_contiguous_pairs_only(monkeypatch):
-    """split: a contiguous pair is one range for the copy engine; a strided
-    one, which engine would take as a 2-D copy, stays with the kernel."""
-    base = torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024)
-    rows, columns = (base[8:24], torch.zeros(16, 1024)), (base[:, 512:], torch.zeros(64, 512))
-    taken = {}
-    for mode in ("kernel", "engine", "split"):
-        monkeypatch.setenv("TORCH_IPC_PEER_COPY", mode)
-        taken[mode] = [engine_copy_of_peer_pair(*pair) is not None for pair in (rows, columns)]
-    assert taken == {"kernel": [False, False], "engine": [True, True], "split": [True, False]}
-    monkeypatch.setenv("TORCH_IPC_PEER_COPY", "split")
-    assert engine_copy_of_peer_pair(*rows)[3] == 1
+        engine_wanted()
 
 
 @pytest.mark.gpus(2)
@@ -87,8 +74,7 @@ def test_peer_pieces_by_copy_engine_equal_the_kernel_bit_for_bit(monkeypatch):
     """Sources on GPU 1, destinations on GPU 0 (peer access on): the pairs the
     copy engine takes (contiguous, row-parallel, 3-d nested, into a fused
     tensor's columns) and one it leaves to the kernel, plus a same-GPU pair;
-    the copy-engine paths (engine, split) equal the kernel path and torch's
-    copy bit for bit."""
+    the copy-engine path equals the kernel path and torch's copy bit for bit."""
     from torch_ipc.weights._copy import BatchedCopy
 
     if not torch.cuda.can_device_access_peer(0, 1):
@@ -115,15 +101,13 @@ def test_peer_pieces_by_copy_engine_equal_the_kernel_bit_for_bit(monkeypatch):
         torch.cuda.synchronize()
         return copy.path, [d.cpu() for _, d in pairs] + [fused.cpu()], [s.cpu() for s, _ in pairs]
 
-    kernel_path, by_kernel, sources = run("kernel")
-    assert kernel_path == "kernel"
-    for mode in ("engine", "split"):  # split: the contiguous pair by the engine, the strided ones by the kernel
-        path, got_all, _ = run(mode)
-        assert path == "copy_engine+kernel", (mode, path)
-        for got, want in zip(got_all, by_kernel):
-            assert torch.equal(got, want), mode
-        for got, src in zip(got_all, sources):
-            assert torch.equal(got, src), mode
+    engine_path, by_engine, sources = run("engine")
+    kernel_path, by_kernel, _ = run("kernel")
+    assert engine_path == "copy_engine+kernel" and kernel_path == "kernel"
+    for got, want in zip(by_engine, by_kernel):
+        assert torch.equal(got, want)
+    for got, src in zip(by_engine, sources):
+        assert torch.equal(got, src)
 
 
 def test_a_bad_2d_copy_table_is_refused_before_anything_is_queued():

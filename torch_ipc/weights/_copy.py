@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .. import _batched_copy
-from ._copy_engine import EngineCopies, copy_2d, engine_copy_of_peer_pair
+from ._copy_engine import EngineCopies, copy_2d, engine_wanted
 
 __all__ = ["BatchedCopy", "kernels_available"]
 
@@ -154,7 +154,7 @@ class BatchedCopy:
             return copy_2d(src, dst)
         if not (self._peer_sources and src.is_cuda and dst.is_cuda and src.device != dst.device):
             return None
-        return engine_copy_of_peer_pair(src, dst)
+        return copy_2d(src, dst) if engine_wanted() else None
 
     def _kernel_fits(self, src: torch.Tensor, dst: torch.Tensor) -> Tuple[bool, str]:
         if src.device != dst.device and not (self._peer_sources and src.is_cuda and dst.is_cuda):

@@ -34,8 +34,7 @@ import torch
 
 from .. import _C
 
-__all__ = ["ENGINE_MIN_ROW_BYTES", "PEER_COPY_MODES", "copy_2d", "engine_copy_of_peer_pair", "peer_copy_mode",
-           "EngineCopies"]
+__all__ = ["ENGINE_MIN_ROW_BYTES", "copy_2d", "engine_wanted", "EngineCopies"]
 
 ENGINE_MIN_ROW_BYTES = 1024
 MAX_PITCH = (1 << 31) - 1  # cuMemcpy2D's pitch limit (CU_DEVICE_ATTRIBUTE_MAX_PITCH on current GPUs)
@@ -43,29 +42,12 @@ MAX_PITCH = (1 << 31) - 1  # cuMemcpy2D's pitch limit (CU_DEVICE_ATTRIBUTE_MAX_P
 Copy2D = Tuple[int, int, int, int, int, int]  # src, dst, width bytes, height, src pitch, dst pitch
 
 
-PEER_COPY_MODES = ("kernel", "engine", "split")
-
-
-def peer_copy_mode() -> str:
-    """TORCH_IPC_PEER_COPY: ``kernel`` (the default), ``engine`` (every
-    pair that is one 2-D copy) or ``split`` (contiguous pairs on the copy
-    engine, the others on the kernel, at once); any other value is refused."""
+def engine_wanted() -> bool:
+    """TORCH_IPC_PEER_COPY: ``kernel`` (the default) or ``engine``; any other value is refused."""
     mode = os.environ.get("TORCH_IPC_PEER_COPY", "") or "kernel"
-    if mode not in PEER_COPY_MODES:
-        raise ValueError(f"torch_ipc: TORCH_IPC_PEER_COPY={mode!r}: expected one of {', '.join(PEER_COPY_MODES)}")
-    return mode
-
-
-def engine_copy_of_peer_pair(src: torch.Tensor, dst: torch.Tensor) -> Optional[Copy2D]:
-    """The copy engine's share of a pair read from a peer GPU under
-    TORCH_IPC_PEER_COPY, or None for the kernel's."""
-    mode = peer_copy_mode()
-    if mode == "kernel":
-        return None
-    copy = copy_2d(src, dst)
-    if mode == "split" and copy is not None and copy[3] != 1:
-        return None
-    return copy
+    if mode not in ("engine", "kernel"):
+        raise ValueError(f"torch_ipc: TORCH_IPC_PEER_COPY={mode!r}: expected 'engine' or 'kernel'")
+    return mode == "engine"
 
 
 def _dims(src: torch.Tensor, dst: torch.Tensor) -> List[Tuple[int, int, int]]:
