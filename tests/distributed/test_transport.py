@@ -82,6 +82,18 @@ def test_kv_blocks_move_between_pools_over_another_transport():
         b.close()
 
 
+def test_sending_kv_blocks_of_a_closed_pool_says_it_is_closed():
+    from torch_ipc.kv import SharedKVPool
+    from torch_ipc.kv.remote import send_blocks
+
+    hub = th.Hub(2)
+    pool = SharedKVPool(8, (2, 3), torch.float16)
+    ids = pool.allocate(2)
+    pool.close()
+    with pytest.raises(RuntimeError, match="this KV pool is closed"):
+        send_blocks(pool, ids, 1, transport=hub.transport(0))
+
+
 # ----------------------------------------------------------------------------- Note [counts from a peer]
 
 BAD_LAYOUTS = [

@@ -264,6 +264,7 @@ def send_blocks(
     ids = pack(ids)  # Note [a KV send's host time]
     if not ids:
         raise ValueError("torch_ipc: send_blocks() of no blocks")
+    pool._check_open()  # its own calls below (check_held, the gathers) do not check it
     pool._ownership.check_held(ids.tobytes())  # held by this process, each listed once
     transport = _dist.transport_for(transport, group)
     transport.check_device(pool.chunks[0] if pool.chunks else pool.block(ids[0]))
