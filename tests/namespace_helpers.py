@@ -29,24 +29,29 @@ import pytest
 import torch_ipc
 
 UNSHARE = ["unshare", "--pid", "--net", "--ipc", "--fork", "--mount-proc", "--kill-child"]
+# A PID namespace whose /proc is still the parent's (no --mount-proc: getpid() and /proc disagree).
+UNSHARE_PID_ONLY = ["unshare", "--pid", "--fork", "--kill-child"]
+# A time namespace whose boot lies a day earlier (/proc/<pid>/stat's start times shift by it).
+UNSHARE_TIME = ["unshare", "--time", "--boottime", "86400", "--fork", "--kill-child"]
 HERE = Path(__file__).resolve().parent
 PACKAGE_ROOT = str(Path(torch_ipc.__file__).resolve().parent.parent)
 
 
 @functools.lru_cache(maxsize=None)
-def unshare_refusal() -> Optional[str]:
+def unshare_refusal(unshare: tuple = tuple(UNSHARE)) -> Optional[str]:
     """Why new namespaces cannot be made here, or None when they can."""
     try:
-        r = subprocess.run(UNSHARE + ["true"], capture_output=True, text=True, timeout=30)
+        r = subprocess.run(list(unshare) + ["true"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"unshare is not available: {e}"
     if r.returncode != 0:
-        return f"unshare --pid --net --ipc was refused (needs root or user namespaces): {r.stderr.strip()}"
+        return f"{' '.join(unshare)} was refused (needs root or user namespaces): {r.stderr.strip()}"
     return None
 
 
-def needs_namespaces() -> Any:
-    return pytest.mark.skipif(unshare_refusal() is not None, reason=str(unshare_refusal()))
+def needs_namespaces(unshare: List[str] = UNSHARE) -> Any:
+    refusal = unshare_refusal(tuple(unshare))
+    return pytest.mark.skipif(refusal is not None, reason=str(refusal))
 
 
 class NamespacedChild:
@@ -55,11 +60,12 @@ class NamespacedChild:
     It prints one JSON object per line; :meth:`next` reads the next one.
     """
 
-    def __init__(self, *args: str, timeout: float = 60.0, env: Optional[dict] = None) -> None:
+    def __init__(self, *args: str, timeout: float = 60.0, env: Optional[dict] = None,
+                 unshare: List[str] = UNSHARE) -> None:
         self.timeout = timeout
         environ = dict(os.environ, PYTHONPATH=os.pathsep.join([PACKAGE_ROOT, str(HERE)]), **(env or {}))
         self.proc = subprocess.Popen(
-            UNSHARE + [sys.executable, str(HERE / "ns_child.py"), *args],
+            unshare + [sys.executable, str(HERE / "ns_child.py"), *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ, start_new_session=True,
         )  # fmt: skip
         self._buffer = b""
@@ -114,9 +120,9 @@ class NamespacedChild:
             f.close()
 
 
-def run_namespaced(*args: str, timeout: float = 60.0) -> List[Any]:
+def run_namespaced(*args: str, timeout: float = 60.0, unshare: List[str] = UNSHARE) -> List[Any]:
     """Run a child to its end; every JSON line it printed."""
-    with NamespacedChild(*args, timeout=timeout) as child:
+    with NamespacedChild(*args, timeout=timeout, unshare=unshare) as child:
         code = child.wait()
         out = [json.loads(line) for line in child.proc.stdout.read().splitlines() if line.strip()]
         assert code == 0, f"namespaced child exited {code}: {child.stderr()}"

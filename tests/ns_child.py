@@ -210,8 +210,21 @@ def pipe_end(address: str, authkey_hex: str, *flags: str) -> None:
         end.recv()
 
 
+def pipe_pair(address: str, authkey_hex: str) -> None:
+    """Use both ends of a new torch_ipc.Pipe (as pid 1 of this namespace),
+    hand both to the Listener at a path, and exit without closing them."""
+    with torch_ipc.connect(address, authkey=bytes.fromhex(authkey_hex)) as c:
+        e0, e1 = torch_ipc.Pipe()
+        e0.send("ping")
+        assert e1.recv() == "ping"
+        c.send(e0)
+        c.send(e1)
+        say(pid=os.getpid(), handed=c.recv())
+        os._exit(0)  # no close(): the claims go with this process
+
+
 if __name__ == "__main__":
     jobs = {"load": load, "client": client, "produce": produce, "fetch_fds": fetch_fds, "kv_attach": kv_attach,
             "kv_own": kv_own, "kv_recv": kv_recv, "weights_sub": weights_sub, "weights_pub": weights_pub, "event": event, "mp_client": mp_client,
-            "pipe_end": pipe_end}  # fmt: skip
+            "pipe_end": pipe_end, "pipe_pair": pipe_pair}  # fmt: skip
     jobs[sys.argv[1]](*sys.argv[2:])

@@ -17,6 +17,8 @@
 #include "base/errors.h"
 
 #include "os/futex.h"
+#include "os/life.h"
+#include "os/process.h"
 
 namespace torch_ipc {
 
@@ -81,6 +83,16 @@ bool process_gone(int32_t pid) {
   return paren != nullptr && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
 }
 
+// A claim is a life key (31 bits), or this bit and a pid where the claimant
+// could not make its life file (then it is judged by its pid).
+constexpr uint32_t kPidClaim = 0x80000000u;
+
+// Whether the claimant `claim` has exited; "could not tell" is "no".
+bool claimant_gone(uint32_t claim) {
+  if (claim & kPidClaim) return process_gone(int32_t(claim & ~kPidClaim));
+  return check_life_key(claim).life == Life::Dead;
+}
+
 }  // namespace
 
 // Note [one process per end]
@@ -91,13 +103,17 @@ bool process_gone(int32_t pid) {
 // first process to send (receive) claims it, and another process that tries
 // while the claimant lives gets OSError(EBUSY) naming it. The claim goes
 // with close() (and the end's destruction) in the claimant, and with its
-// exit: an exited (or zombie) claimant is replaced. So what multiprocessing
+// exit: an exited (or zombie) claimant is replaced. A claim names the
+// claimant's life key (Note [life files] in life.h), not its pid: a pid
+// counts in one PID namespace, and one of another namespace, or a recycled
+// one, named a living stranger (an end handed on by a process that was pid 1
+// of its container: EBUSY for good) or nobody. So what multiprocessing
 // programs do works: an end used by a forked or spawned child only, or by
 // the parent only, or handed from one to the other once the first closed it
 // or exited. What raises: two living processes using one direction of one
 // end, which a multiprocessing.Pipe allows, unsafely, for messages above
 // PIPE_BUF. The check is one load of a word of the segment per message. A
-// peer can write a live pid there and make our calls raise: never a hang.
+// peer can write a live key there and make our calls raise: never a hang.
 
 Channel::Channel(UniqueFd memory, UniqueFd socket, UniqueFd bell0, UniqueFd bell1, int side, uint32_t ring_bytes)
     : memory_(std::move(memory)),
@@ -106,8 +122,7 @@ Channel::Channel(UniqueFd memory, UniqueFd socket, UniqueFd bell0, UniqueFd bell
       segment_(map_checked(memory_.get(), socket_.get(), side, ring_bytes)),
       side_(side),
       writer_(segment_->control(side), segment_->data(side), ring_bytes, bell_[side].get()),
-      reader_(segment_->control(1 - side), segment_->data(1 - side), ring_bytes, bell_[1 - side].get()),
-      pid_(int32_t(getpid())) {}
+      reader_(segment_->control(1 - side), segment_->data(1 - side), ring_bytes, bell_[1 - side].get()) {}
 
 Channel::~Channel() {
   closed_.store(true);
@@ -117,24 +132,41 @@ Channel::~Channel() {
 
 void Channel::after_fork() {
   busy_.store(0);
-  pid_ = int32_t(getpid());
+  claim_key_.store(0);  // the child has a life key of its own
 }
 
-void Channel::claim(std::atomic<int32_t>* owner, const char* doing) const {
-  int32_t was = owner->load(std::memory_order_relaxed);
-  while (was != pid_) {
-    if (was > 0 && !process_gone(was))
-      throw OsError(EBUSY, str("torch_ipc: process ", was, " ", doing, " on this end of the connection; process ", pid_,
-                               " may not as well: an end is used by one process at a time, or messages get "
+uint32_t Channel::claim_key() const {
+  uint32_t key = claim_key_.load(std::memory_order_relaxed);
+  if (key == 0) {  // first use in this process: made here, not in the fork handler
+    key = self_process().life;
+    if (key == 0) key = kPidClaim | uint32_t(getpid());
+    claim_key_.store(key, std::memory_order_relaxed);
+  }
+  return key;
+}
+
+void Channel::claim(std::atomic<uint32_t>* owner, std::atomic<int32_t>* owner_pid, const char* doing) const {
+  const uint32_t me = claim_key();
+  uint32_t was = owner->load(std::memory_order_relaxed);
+  while (was != me) {
+    if (was != 0 && !claimant_gone(was))
+      throw OsError(EBUSY, str("torch_ipc: process ", owner_pid->load(std::memory_order_relaxed), " ", doing,
+                               " on this end of the connection (a pid as its own PID namespace counts it); process ",
+                               getpid(), " may not as well: an end is used by one process at a time, or messages get "
                                "garbled. Close the end in the process that no longer uses it, or give each "
                                "process a connection of its own (Note [one process per end])"));
-    if (owner->compare_exchange_weak(was, pid_, std::memory_order_relaxed)) return;
+    if (owner->compare_exchange_weak(was, me, std::memory_order_relaxed)) {
+      owner_pid->store(int32_t(getpid()), std::memory_order_relaxed);
+      return;
+    }
   }
 }
 
 void Channel::release_claims() {
-  for (auto* owner : {&segment_->control(side_)->writer_pid, &segment_->control(1 - side_)->reader_pid}) {
-    int32_t mine = pid_;
+  const uint32_t me = claim_key_.load(std::memory_order_relaxed);
+  if (me == 0) return;  // never claimed anything in this process
+  for (auto* owner : {&segment_->control(side_)->writer, &segment_->control(1 - side_)->reader}) {
+    uint32_t mine = me;
     owner->compare_exchange_strong(mine, 0, std::memory_order_relaxed);
   }
 }
@@ -164,7 +196,7 @@ void Channel::fail(WaitEnd end, const char* doing) {
 
 void Channel::send(const void* data, size_t size) {
   Busy busy(this);
-  claim(&segment_->control(side_)->writer_pid, "sends");
+  claim(&segment_->control(side_)->writer, &segment_->control(side_)->writer_pid, "sends");
   uint64_t written = 0;
   WaitEnd end = writer_.send(data, size, context(-1), &written);
   if (end == WaitEnd::Interrupted && written > 0) close();  // the ring holds part of a message: the stream is cut
@@ -173,7 +205,7 @@ void Channel::send(const void* data, size_t size) {
 
 int64_t Channel::send_within(const void* data, size_t size, int64_t timeout_ns) {
   Busy busy(this);
-  claim(&segment_->control(side_)->writer_pid, "sends");
+  claim(&segment_->control(side_)->writer, &segment_->control(side_)->writer_pid, "sends");
   uint64_t written = 0;
   WaitEnd end = writer_.send(data, size, context(steady_now_ns() + std::max<int64_t>(timeout_ns, 0)), &written);
   if (end == WaitEnd::Timeout) return int64_t(written);
@@ -184,7 +216,7 @@ int64_t Channel::send_within(const void* data, size_t size, int64_t timeout_ns) 
 
 bool Channel::next_size(uint64_t* size) {
   Busy busy(this);
-  claim(&segment_->control(1 - side_)->reader_pid, "receives");
+  claim(&segment_->control(1 - side_)->reader, &segment_->control(1 - side_)->reader_pid, "receives");
   WaitContext ctx = context(-1);
   WaitEnd end = reader_.wait_readable(ctx);  // an interrupt here has taken nothing
   const bool began = end == WaitEnd::Ready;

@@ -74,7 +74,8 @@ class Channel {
   WaitContext context(int64_t deadline_ns) const;
   bool peer_gone() const;
   [[noreturn]] void fail(WaitEnd end, const char* doing);
-  void claim(std::atomic<int32_t>* owner, const char* doing) const;
+  uint32_t claim_key() const;
+  void claim(std::atomic<uint32_t>* owner, std::atomic<int32_t>* owner_pid, const char* doing) const;
   void release_claims();
   void close_fds_once();
   void wake_everyone() const;
@@ -88,7 +89,7 @@ class Channel {
   mutable std::atomic<bool> peer_gone_seen_{false};
   std::atomic<bool> fds_closed_{false};
   std::atomic<int> busy_{0};
-  int32_t pid_;  // ours, refreshed after fork
+  mutable std::atomic<uint32_t> claim_key_{0};  // ours (Note [one process per end]); 0 until first used, and after fork
 };
 
 // Where the fields of ring `ring` lie in the segment, for tests that write over them.

@@ -1,5 +1,6 @@
 #include "os/process.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <climits>
@@ -26,13 +27,16 @@
 namespace torch_ipc {
 namespace {
 
-// /proc/<pid>/stat from field 3 (the state) on, into `fields`: 0, or the
-// errno that kept us from reading it (ENOENT or ESRCH: there is no such
-// process). The command name (field 2) may hold spaces and parentheses, so
-// the fields start after the last ')'.
+// /proc/<pid>/stat (pid 0: /proc/self/stat) from field 3 (the state) on,
+// into `fields`: 0, or the errno that kept us from reading it (ENOENT or
+// ESRCH: there is no such process). The command name (field 2) may hold
+// spaces and parentheses, so the fields start after the last ')'.
 int read_stat_fields(uint32_t pid, std::string* fields) {
   char path[64];
-  std::snprintf(path, sizeof(path), "/proc/%u/stat", pid);
+  if (pid == 0)
+    std::snprintf(path, sizeof(path), "/proc/self/stat");
+  else
+    std::snprintf(path, sizeof(path), "/proc/%u/stat", pid);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return errno;
   char buf[1024];
@@ -51,7 +55,39 @@ int read_stat_fields(uint32_t pid, std::string* fields) {
 
 bool no_such_process(int err) { return err == ENOENT || err == ESRCH; }
 
-// Field 22 of /proc/<pid>/stat (the start time) from read_stat_fields' output.
+// Note [start times across time namespaces]
+// /proc/<pid>/stat's start time counts clock ticks since boot as the
+// reader's time namespace sees boot: the kernel adds the reader's boottime
+// offset. A producer in a container with its own time namespace (`unshare
+// --time --boottime N`, CRIU's restores) and a consumer outside read two
+// numbers for one process, and the consumer called a living producer dead.
+// So identities carry start times as the initial time namespace counts
+// them: what /proc says minus this process's boottime offset, in ticks
+// (/proc/self/timens_offsets; none where the kernel has no time namespaces).
+// An offset that is not a whole number of ticks (CRIU's) leaves a tick of
+// doubt, so a start time within one tick of the recorded one is the same
+// process: a pid recycled that soon would need pid_max forks in 20 ms.
+int64_t boottime_offset_ticks = 0;  // this process's; set with its identity (after fork too)
+
+int64_t read_boottime_offset_ticks() {
+  std::FILE* f = std::fopen("/proc/self/timens_offsets", "r");
+  if (f == nullptr) return 0;
+  char clock[32] = {};
+  long long sec = 0, nsec = 0;
+  int64_t ticks = 0;
+  while (std::fscanf(f, "%31s %lld %lld", clock, &sec, &nsec) == 3) {
+    if (std::strcmp(clock, "boottime") != 0 && std::strcmp(clock, "7") != 0) continue;  // 7: CLOCK_BOOTTIME
+    const long hz = sysconf(_SC_CLK_TCK) > 0 ? sysconf(_SC_CLK_TCK) : 100;
+    const long double t = (static_cast<long double>(sec) + static_cast<long double>(nsec) / 1e9L) * hz;
+    ticks = static_cast<int64_t>(t >= 0 ? t + 0.5L : t - 0.5L);
+  }
+  std::fclose(f);
+  return ticks;
+}
+
+// Field 22 of /proc/<pid>/stat (the start time) from read_stat_fields'
+// output, as the initial time namespace counts it (Note [start times across
+// time namespaces]).
 uint64_t start_time_in(const std::string& fields) {
   const char* p = fields.c_str();  // field 3
   for (int field = 3; field < 22 && *p; ++field) {
@@ -59,10 +95,16 @@ uint64_t start_time_in(const std::string& fields) {
     if (p == nullptr) return 0;
     ++p;
   }
-  return std::strtoull(p, nullptr, 10);
+  const int64_t seen = static_cast<int64_t>(std::strtoull(p, nullptr, 10));
+  return static_cast<uint64_t>(std::max<int64_t>(seen - boottime_offset_ticks, 1));
 }
 
-// The start time of `pid`; 0 when it cannot be read.
+// Whether a start time read now is the recorded one (within the tick of doubt).
+bool same_start(uint64_t read, uint64_t recorded) {
+  return read == recorded || read + 1 == recorded || read == recorded + 1;
+}
+
+// The start time of `pid` (0: this process); 0 when it cannot be read.
 uint64_t start_time_of(uint32_t pid) {
   std::string fields;
   return read_stat_fields(pid, &fields) == 0 ? start_time_in(fields) : 0;
@@ -74,7 +116,7 @@ LifeCheck life_from_proc(const ProcessId& p) {
   std::string fields;
   const int err = read_stat_fields(p.pid, &fields);
   if (err != 0) return no_such_process(err) ? LifeCheck{Life::Dead, 0} : LifeCheck{Life::Unknown, err};
-  return {start_time_in(fields) == p.start_time ? Life::Alive : Life::Dead, 0};
+  return {same_start(start_time_in(fields), p.start_time) ? Life::Alive : Life::Dead, 0};
 }
 
 int hex_digit(char c) {
@@ -124,9 +166,11 @@ uint32_t read_pid_namespace() {
   return static_cast<uint32_t>(st.st_ino);
 }
 
+// Our start time from /proc/self, which is this process whichever namespace
+// /proc was mounted for (/proc/<getpid()> may be another: Note [whose pid]).
 ProcessId this_process() {
-  const uint32_t pid = static_cast<uint32_t>(getpid());
-  return ProcessId{pid, start_time_of(pid), 0, read_pid_namespace()};
+  boottime_offset_ticks = read_boottime_offset_ticks();
+  return ProcessId{static_cast<uint32_t>(getpid()), start_time_of(0), 0, read_pid_namespace()};
 }
 
 // Made at load, not at first use (Note [no first use at fork] in fork.h).

@@ -21,10 +21,12 @@ namespace torch_ipc {
 struct RingControl {
   alignas(64) std::atomic<uint64_t> head;           // bytes published by the producer, ever
   std::atomic<uint64_t> messages_begun;             // messages the producer began (Note [fd wake-ups])
-  std::atomic<int32_t> writer_pid;                  // the process that sends on it (Note [one process per end])
+  std::atomic<uint32_t> writer;                     // who sends on it (Note [one process per end])
+  std::atomic<int32_t> writer_pid;                  // its pid as its namespace counts it, for messages
   alignas(64) std::atomic<uint64_t> tail;           // bytes taken by the consumer, ever
   std::atomic<uint64_t> messages_read;              // messages the consumer finished
-  std::atomic<int32_t> reader_pid;                  // the process that receives from it
+  std::atomic<uint32_t> reader;                     // who receives from it
+  std::atomic<int32_t> reader_pid;                  // its pid, for messages
   alignas(64) std::atomic<uint32_t> reader_sleeps;  // futex word: 1 while the consumer sleeps
   alignas(64) std::atomic<uint32_t> writer_sleeps;  // futex word: 1 while the producer waits for room
   alignas(64) std::atomic<uint32_t> fd_wakeups;     // 1: the consumer wants its eventfd rung
@@ -38,7 +40,7 @@ struct ChannelHeader {
 };
 
 inline constexpr uint64_t kChannelMagic = 0x474e495243504954ull;  // "TIPCRING"
-inline constexpr uint32_t kChannelVersion = 2;
+inline constexpr uint32_t kChannelVersion = 3;
 inline constexpr size_t kChannelHeaderBytes = 4096;
 inline constexpr uint32_t kMinRingBytes = 4096;
 inline constexpr uint32_t kMaxRingBytes = 1u << 30;

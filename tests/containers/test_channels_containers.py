@@ -48,6 +48,19 @@ def _serve_pipe_end(address: str, authkey: bytes) -> dict:
     return dict(total=total, seen=x.tolist())
 
 
+def _take_both_ends(address: str, authkey: bytes) -> list:
+    with torch_ipc.listen(address, authkey=authkey) as listener:
+        with listener.accept() as conn:
+            e0, e1 = conn.recv(), conn.recv()
+            conn.send("got")
+            try:
+                conn.recv()  # until the other process has exited
+            except EOFError:
+                pass
+    e0.send("after")
+    return [e1.recv()]
+
+
 def _exports() -> int:
     torch_ipc.collect()
     return torch_ipc.stats()["exports"]
@@ -77,3 +90,16 @@ def test_init_reductions_over_a_multiprocessing_connection_at_a_path(tmp_path):
 
 def test_a_pipe_end_sent_over_a_connection_at_a_path(tmp_path):
     _hand_over_and_kill(_serve_pipe_end, "pipe_end", str(tmp_path / "conn.sock"), secrets.token_bytes(16))
+
+
+def test_pipe_ends_used_by_a_process_of_another_namespace_that_exited(tmp_path):
+    # Their claims named pid 1 of the other namespace, which here is init:
+    # a claim names a life key (Note [one process per end] in csrc/os/channel.cpp).
+    address, key = str(tmp_path / "pair.sock"), secrets.token_bytes(16)
+    with Peer(timeout=60) as receiver:
+        receiver.start_call(_take_both_ends, address, key)
+        assert u.poll_until(lambda: os.path.exists(address), timeout=30)
+        with NamespacedChild("pipe_pair", address, key.hex()) as child:
+            assert child.next() == dict(pid=1, handed="got")
+            child.wait()
+        assert receiver.result() == ["after"]

@@ -12,7 +12,7 @@ import stat
 import ipc_test_utils as u
 import pytest
 import torch
-from namespace_helpers import NamespacedChild, needs_namespaces, run_namespaced
+from namespace_helpers import UNSHARE_PID_ONLY, UNSHARE_TIME, NamespacedChild, needs_namespaces, run_namespaced
 
 import torch_ipc
 from torch_ipc import _C
@@ -102,6 +102,34 @@ def test_listener_and_client_at_a_socket_path_across_namespaces(tmp_path):
     # Each end takes the other for alive: here by the pid the kernel shows, there by the life key.
     assert served["peer_alive"] and got["peer_alive"], (served, got)
     assert got["peer"][1:3] == served["me"][1:3]  # start time and life key, as the listener sent them
+
+
+@needs_namespaces(UNSHARE_TIME)
+def test_a_consumer_in_a_time_namespace_takes_the_living_producer_for_alive(tmp_path):
+    # /proc/<pid>/stat's start times count from boot as the reader's time
+    # namespace sees it: a day off here (Note [start times across time namespaces]).
+    path = str(tmp_path / "x.tipc")
+    with Peer(timeout=60) as producer:
+        producer.call(_export_to_file, path, None)
+        (got,) = run_namespaced("load", path, "write", unshare=UNSHARE_TIME)
+        assert "error" not in got, got
+        assert got["values"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] and producer.call(_held_values) == got["values"]
+        assert got["lease_segments"] == 1, "a collection took the living producer for dead"
+
+
+@needs_namespaces(UNSHARE_PID_ONLY)
+def test_a_client_in_a_pid_namespace_without_its_own_proc(tmp_path):
+    # getpid() counts in the new namespace, /proc in the old one (Note [whose
+    # pid]): the client's start time must still be its own, or the listener
+    # takes it for dead and revokes what it sends.
+    address, key = str(tmp_path / "listener.sock"), secrets.token_bytes(16)
+    with Peer(timeout=60) as producer:
+        producer.start_call(_serve_one, address, key)
+        u.poll_until(lambda: os.path.exists(address), timeout=30)
+        (got,) = run_namespaced("client", address, key.hex(), unshare=UNSHARE_PID_ONLY)
+        served = producer.result()
+    assert got["values"] == [1.0] * 4 and (served["total"], served["seen"]) == (4.0, [1.0] * 4)
+    assert served["peer_alive"] and got["peer_alive"], (served, got)
 
 
 def test_a_consumer_killed_in_its_namespace_is_reclaimed_and_a_living_one_is_not(tmp_path):

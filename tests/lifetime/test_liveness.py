@@ -22,7 +22,7 @@ AUTHKEY = b"liveness"
 def _recycled(process):
     """The same pid, another start time: what a recycled pid looks like."""
     pid, start_time, *rest = process  # (pid, start) or (pid, start, life key, PID namespace)
-    return (pid, start_time + 1, *rest)
+    return (pid, start_time + 100, *rest)  # a second later: a tick either way is the same process
 
 
 def test_this_process_is_alive_and_a_recycled_pid_is_not():
