@@ -150,11 +150,12 @@ void Channel::claim(std::atomic<uint32_t>* owner, std::atomic<int32_t>* owner_pi
   uint32_t was = owner->load(std::memory_order_relaxed);
   while (was != me) {
     if (was != 0 && !claimant_gone(was))
-      throw OsError(EBUSY, str("torch_ipc: process ", owner_pid->load(std::memory_order_relaxed), " ", doing,
-                               " on this end of the connection (a pid as its own PID namespace counts it); process ",
-                               getpid(), " may not as well: an end is used by one process at a time, or messages get "
-                               "garbled. Close the end in the process that no longer uses it, or give each "
-                               "process a connection of its own (Note [one process per end])"));
+      throw OsError(EBUSY,
+                    str("torch_ipc: process ", owner_pid->load(std::memory_order_relaxed), " ", doing,
+                        " on this end of the connection (a pid as its own PID namespace counts it); process ", getpid(),
+                        " may not as well: an end is used by one process at a time, or messages get "
+                        "garbled. Close the end in the process that no longer uses it, or give each "
+                        "process a connection of its own (Note [one process per end])"));
     if (owner->compare_exchange_weak(was, me, std::memory_order_relaxed)) {
       owner_pid->store(int32_t(getpid()), std::memory_order_relaxed);
       return;
