@@ -431,9 +431,11 @@ def _ensure_cuda() -> None:
     _cuda_ready = True
 
 
-def loads(data: bytes, *, weights_only: bool) -> Any:
+def loads(data: bytes, *, weights_only: bool, expect: Optional[type] = None, what: str = "the descriptor") -> Any:
     """:func:`torch_ipc.loads`. No default: every caller says whether it
-    trusts the sender (full pickle) or not (Note [weights_only] in _weights_only.py)."""
+    trusts the sender (full pickle) or not (Note [weights_only] in _weights_only.py).
+    ``expect``: the type the object must have, checked before the load
+    spends anything at the producer (else a DescriptorError naming ``what``)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"torch_ipc.loads() takes the bytes that dumps() returned, not {type(data).__name__}"
                         + ("; keep descriptors as bytes (files opened 'rb'/'wb')" if isinstance(data, str) else ""))
@@ -449,6 +451,8 @@ def loads(data: bytes, *, weights_only: bool) -> Any:
     # and the token stays for a retry. Only a complete load commits.
     tensors, is_parameter, payload, pending = _C.load(data, None if _cuda_ready else _ensure_cuda)
     obj = _rebuild(tensors, is_parameter, payload, weights_only=weights_only)
+    if expect is not None and not isinstance(obj, expect):
+        raise DescriptorError(f"torch_ipc: {what} holds a {expect.__name__}, this one a {type(obj).__name__}")
     pending.commit()
     return obj
 

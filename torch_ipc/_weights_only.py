@@ -118,6 +118,12 @@ def _legacy_sparse_class(obj) -> bool:
     return obj in torch._tensor_classes and "sparse" in obj.__module__
 
 
+def _makes_memory(obj) -> bool:
+    """A tensor or storage class (Note [counts in a payload])."""
+    return isinstance(obj, type) and (obj in torch._tensor_classes or issubclass(
+        obj, (torch.Tensor, torch.storage.TypedStorage, torch.UntypedStorage)))
+
+
 def _tensor_rebuild_paths() -> frozenset:
     from torch import _weights_only_unpickler as allow
 
@@ -134,12 +140,33 @@ def _tensor_rebuild_paths() -> frozenset:
 # the producer's memory); a global (a _Global: allow-listed functions and
 # classes, shared by the whole process); or what REDUCE/NEWOBJ made of one (a
 # _Made, which remembers the global). As torch's unpickler allows, and no more:
-# BUILD only on an instance of an allowed class made here, or on a tensor made
-# by a tensor rebuild function; SETITEM(S) only on dicts made here (and
+# BUILD only on an instance of an allowed class made here, not a tensor
+# (Note [BUILD on a tensor]); SETITEM(S) only on dicts made here (and
 # OrderedDict/Counter instances); APPEND(S) only on lists made here; ADDITEMS
-# only on sets made here; REDUCE/NEWOBJ only of a global. Memo indices are
+# only on sets made here; REDUCE/NEWOBJ only of a global, not of one that
+# allocates what the payload asks (Note [counts in a payload]). Memo indices are
 # bounded by the payload's size (the C unpickler sizes its memo by the largest).
-_LITERAL, _DICT, _LIST, _SET, _SHARED = range(5)
+_LITERAL, _DICT, _LIST, _SET, _SHARED, _COUNT = range(6)
+
+# Note [counts in a payload]
+# A few bytes can ask for any amount of memory: bytearray(2**40) zero-fills
+# it, torch.cuda.FloatTensor(2**34) takes it from the GPU, torch.FloatStorage
+# and torch.Tensor(n) too, and torch.load(weights_only=True) allows each (the
+# classes are on its list for the pickles that name them, not call them). A
+# load must not allocate far beyond its payload (docs/security.md), so the
+# walk refuses calls of tensor and storage classes (a payload of ours never
+# makes one), and calls of bytearray whose arguments hold an int of more
+# than two bytes (_COUNT; a bytearray pickles as its bytes).
+
+# Note [BUILD on a tensor]
+# torch's unpickler decides BUILD by the instance's type: a Parameter's
+# __setstate__, but a plain Tensor's set_(*state), which refuses anything but
+# a storage and its geometry. The C unpickler calls Tensor.__setstate__,
+# which also sets requires_grad and _backward_hooks: a payload could hang a
+# function of its choosing on a loaded tensor's backward. So BUILD is refused
+# on a tensor made by torch.Tensor or a tensor rebuild (our dumps never writes
+# one), and allowed on a Parameter, as torch allows it.
+_PARAMETER_REBUILDS = frozenset(("torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state"))
 
 
 class _Global:
@@ -264,21 +291,27 @@ class _Walk:
 
     def call(self, opcode: str, n_args: int) -> None:
         """REDUCE, NEWOBJ, NEWOBJ_EX: the callable under ``n_args`` arguments must be a global."""
-        self.pop(n_args)
+        args = self.pop(n_args)
         callable_ = self.pop()
         if not isinstance(callable_, _Global):
             raise _refuse(f"call ({opcode})", callable_)
         if _legacy_sparse_class(callable_.obj):
             raise WeightsOnlyError(f"torch_ipc.loads(weights_only=True) refused the legacy sparse constructor "
                                    f"{callable_.path} (Note [sparse tensors from a peer])")
+        if _makes_memory(callable_.obj) or (callable_.obj is bytearray and _COUNT in (args if n_args > 1 else [args])):
+            raise WeightsOnlyError(f"torch_ipc.loads(weights_only=True) refused a call of {callable_.path}, which "
+                                   "would allocate as much memory as the payload asks (Note [counts in a payload])")
         self.stack.append(_Made(callable_))
 
     def build(self) -> None:
         self.pop()
         target = self.top()
-        if isinstance(target, _Made):
+        if isinstance(target, _Made):  # Note [BUILD on a tensor]
             maker = target.by
-            if isinstance(maker.obj, type) or maker.path in _REBUILDS.paths():
+            if isinstance(maker.obj, type):
+                if not issubclass(maker.obj, torch.Tensor) or maker.obj is torch.nn.Parameter:
+                    return
+            elif maker.path in _PARAMETER_REBUILDS:
                 return
         raise _refuse("set the state (BUILD) of", target)
 
@@ -313,10 +346,10 @@ def _actions() -> dict:
     """opcode byte -> (name, what it does to the stack) for every opcode check_payload accepts."""
     import pickletools
 
-    literal = ("INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "STRING", "BINSTRING",
-               "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8", "NONE", "NEWTRUE",
-               "NEWFALSE", "FLOAT", "BINFLOAT", "EMPTY_TUPLE")
+    literal = ("BININT1", "BININT2", "STRING", "BINSTRING", "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES",
+               "BINBYTES8", "BYTEARRAY8", "NONE", "NEWTRUE", "NEWFALSE", "FLOAT", "BINFLOAT", "EMPTY_TUPLE")
     table = {name: "literal" for name in literal}
+    table.update(dict.fromkeys(("INT", "BININT", "LONG", "LONG1", "LONG4"), _COUNT))
     table.update(dict.fromkeys(("UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"), "str"))
     table.update(TUPLE1="T1", TUPLE2="T2", TUPLE3="T3", EMPTY_LIST=_LIST, EMPTY_DICT=_DICT, EMPTY_SET=_SET,
                  TUPLE="mark", FROZENSET="mark", LIST="mark", DICT="mark")
@@ -330,6 +363,11 @@ def _actions() -> dict:
 _ACTIONS = _actions()
 _ARG_LENGTHS = _arg_lengths()
 _MARKED = {"TUPLE": _LITERAL, "FROZENSET": _LITERAL, "LIST": _LIST, "DICT": _DICT}
+
+
+def _tuple_of(items) -> int:
+    """What a tuple of `items` is to the walk: _COUNT if it holds one (Note [counts in a payload])."""
+    return _COUNT if _COUNT in items else _LITERAL
 
 
 # Note [checked payloads]
@@ -394,7 +432,7 @@ def _walk(data: bytes) -> list:
             pos = start + data[pos + 1]
             push(data[start:pos])
         elif code == _TUPLE2 and depth >= 2:
-            stack[-2:] = [_LITERAL]
+            stack[-2:] = [_tuple_of(stack[-2:])]
             pos += 1
         elif code == _BINPERSID and depth:
             stack[-1] = _SHARED
@@ -434,9 +472,9 @@ def _other_opcode(walk: _Walk, data: bytes, pos: int) -> int:
     elif action == "str":
         walk.stack.append(arg if name != "UNICODE" else arg.decode("raw-unicode-escape"))
     elif action in ("T1", "T2", "T3"):
-        walk.pop(int(action[1]))
-        walk.stack.append(_LITERAL)
-    elif type(action) is int:  # EMPTY_LIST, EMPTY_DICT, EMPTY_SET
+        items = walk.pop(int(action[1]))
+        walk.stack.append(_tuple_of(items if action != "T1" else [items]))
+    elif type(action) is int:  # EMPTY_LIST, EMPTY_DICT, EMPTY_SET; _COUNT
         walk.stack.append(action)
     elif action == "STOP":
         raise AssertionError("STOP is _walk's")
@@ -456,8 +494,8 @@ _NEW_OBJECT = {pickle.EMPTY_DICT[0]: _DICT, pickle.EMPTY_LIST[0]: _LIST, pickle.
 def _step(walk: _Walk, name: str, action, arg: bytes) -> None:
     """The opcodes of check_payload's loop that are not literals."""
     if name in _MARKED:
-        walk.pop_mark()
-        walk.stack.append(_MARKED[name])
+        items = walk.pop_mark()
+        walk.stack.append(_tuple_of(items) if name == "TUPLE" else _MARKED[name])
     elif name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
         walk.put(len(walk.memo) if name == "MEMOIZE" else _memo_index(name, arg))
     elif name in ("GET", "BINGET", "LONG_BINGET"):

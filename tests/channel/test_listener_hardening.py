@@ -11,6 +11,7 @@ import threading
 import time
 import warnings
 
+import ipc_test_utils as u
 import pytest
 import torch
 
@@ -183,3 +184,59 @@ def test_connect_with_a_str_authkey_names_connect(tmp_path):
     assert "torch_ipc.connect" in str(info.value) and "Client" not in str(info.value)
     with pytest.raises(TypeError, match="torch_ipc.Client"):
         torch_ipc.Client(str(tmp_path / "s"), authkey="k")
+
+
+def _silent_listener(path: str, first: bytes):
+    """A socket that accepts at `path`, sends `first` and then nothing (until closed)."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(4)
+    accepted = []
+
+    def serve():
+        try:
+            c, _ = server.accept()
+        except OSError:
+            return
+        accepted.append(c)
+        c.sendall(first)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, accepted
+
+
+@pytest.mark.parametrize("first", [b"", b"\x00\x00\x00\x30#CHALLENGE#"], ids=["silent", "trickle"])
+def test_connect_to_a_listener_that_never_finishes_the_handshake_times_out(tmp_path, first):
+    # Note [a client's deadline]: without it, connect() waited forever.
+    server, accepted = _silent_listener(str(tmp_path / "silent.sock"), first)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not finish the handshake within 0.5 s"):
+            torch_ipc.connect(str(tmp_path / "silent.sock"), authkey=AUTHKEY, timeout=0.5)
+        assert 0.4 < time.monotonic() - started < 10
+        with pytest.raises(TimeoutError):
+            torch_ipc.Client(str(tmp_path / "silent.sock"), authkey=AUTHKEY, timeout=0.3)
+    finally:
+        server.close()
+        for c in accepted:
+            c.close()
+
+
+def test_connect_with_a_timeout_to_a_listener_that_accepts_late(tmp_path, ipc_peer):
+    # The deadline covers the handshake only: the connection then lives on.
+    address = str(tmp_path / "late.sock")
+    ipc_peer.start_call(_accept_after, address, 0.3)
+    assert u.poll_until(lambda: os.path.exists(address), timeout=JOIN_S)
+    with torch_ipc.connect(address, authkey=AUTHKEY, timeout=20) as conn:
+        time.sleep(0.5)
+        conn.send(torch.arange(3.0))
+        assert conn.recv() == 3.0
+    ipc_peer.result()
+
+
+def _accept_after(address: str, delay: float) -> None:
+    with torch_ipc.listen(address, authkey=AUTHKEY) as listener:
+        time.sleep(delay)
+        with listener.accept() as conn:
+            conn.send(float(conn.recv().sum()))
+

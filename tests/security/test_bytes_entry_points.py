@@ -55,3 +55,23 @@ def test_crafted_bytes_are_refused_by_every_entry_point(name, how, tmp_path, ipc
 def test_the_internal_loads_has_no_default_trust():
     assert inspect.signature(_serialize.loads).parameters["weights_only"].default is inspect.Parameter.empty
     assert inspect.signature(torch_ipc.loads).parameters["weights_only"].default is True
+
+
+def _rebuild_then_load(data: bytes):
+    """In a peer: rebuild_tensor() of a descriptor of no bare tensor, then loads() of the same bytes."""
+    try:
+        rebuild_tensor(data)
+        refused = None
+    except torch_ipc.DescriptorError as e:
+        refused = str(e)
+    return refused, torch_ipc.loads(data)["w"].tolist()
+
+
+def test_a_refused_rebuild_spends_nothing_at_the_producer(ipc_peer):
+    # A descriptor for one consumer: a refusal must leave it to that consumer.
+    import torch
+
+    x = torch.arange(4.0)
+    refused, loaded = ipc_peer.call(_rebuild_then_load, torch_ipc.dumps({"w": x}))
+    assert refused is not None and "reduce_tensor() handle holds a Tensor, this one a dict" in refused
+    assert loaded == x.tolist()

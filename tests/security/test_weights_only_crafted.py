@@ -8,6 +8,7 @@ DescriptorError naming torch's check), and nothing changed; what torch.save
 and dumps write still loads."""
 import copyreg
 import dataclasses
+import io
 import struct
 from collections import OrderedDict
 
@@ -180,7 +181,38 @@ def test_payloads_dumps_and_torch_write_still_load():
     assert out["nested"][0]["a"][1][0].data_ptr() == x.data_ptr() and out["nested"][1] == {1, 2}
     assert type(out["p"]) is torch.nn.Parameter
     assert out["cfg"].lr == 0.1 and out["cfg"].weights.data_ptr() == x.data_ptr()
-    # a tensor rebuilt as torch's reducer writes it, then BUILD on it (Tensor.__setstate__)
-    body = _VIEW_OF_TENSOR0 + b"\x88N" + _EMPTY_ORDERED_DICT + b"\x87b"
-    y = torch_ipc.loads(_crafted(body, [x]))
-    assert y.requires_grad and y.data_ptr() == x.data_ptr() and torch.equal(y.detach(), x)
+    # a bytearray as protocol 2 pickles it: its bytes as latin-1 text
+    body = _global("builtins", "bytearray") + _str("abc") + _str("latin1") + b"\x86R"
+    assert torch_ipc.loads(_crafted(body)) == bytearray(b"abc")
+
+
+def test_build_on_a_tensor_is_refused_as_torch_refuses_it():
+    # torch's unpickler runs set_(*state) on a plain tensor; Tensor.__setstate__
+    # would also install the payload's backward hooks (Note [BUILD on a tensor]).
+    x = torch.arange(4.0)
+    hooks = _global("collections", "OrderedDict") + b")R(K\x00" + _global("torch.serialization", "_get_layout") + b"u"
+    body = _VIEW_OF_TENSOR0 + b"\x88N" + hooks + b"\x87b"
+    with pytest.raises(WeightsOnlyError, match=r"set the state \(BUILD\) of what torch._utils._rebuild_tensor_v2"):
+        torch_ipc.loads(_crafted(body, [x]))
+    on_new = _global("torch", "Tensor") + b")R" + b"\x88N" + hooks + b"\x87b"  # BUILD on torch.Tensor()
+    with pytest.raises(TypeError):  # torch refuses it: set_() takes no such state
+        torch._weights_only_unpickler.Unpickler(io.BytesIO(_PROTO2 + on_new + b".")).load()
+    with pytest.raises(WeightsOnlyError):
+        torch_ipc.loads(_crafted(on_new))
+    assert not x.requires_grad and x._backward_hooks is None
+
+
+@pytest.mark.parametrize("callable_, count", [
+    (("builtins", "bytearray"), 1 << 40),                 # zero-filled on the host
+    (("torch", "DoubleTensor"), 1 << 40),
+    (("torch", "Tensor"), 1 << 40),
+    (("torch.cuda", "FloatTensor"), 1 << 34),            # from the GPU's memory
+])  # fmt: skip
+def test_a_few_bytes_cannot_ask_for_memory(callable_, count):
+    # Each is on torch's list, for pickles that name it (Note [counts in a payload]).
+    body = _global(*callable_) + b"\x8a\x06" + count.to_bytes(6, "little") + b"\x85R"  # LONG1, TUPLE1, REDUCE
+    with pytest.raises(WeightsOnlyError, match=f"refused a call of {'.'.join(callable_)}"):
+        torch_ipc.loads(_crafted(body))
+    nested = _global(*callable_) + b"(" + b"\x8a\x06" + count.to_bytes(6, "little") + b"tR"  # MARK ... TUPLE
+    with pytest.raises(WeightsOnlyError, match="refused a call"):
+        torch_ipc.loads(_crafted(nested))

@@ -7,6 +7,7 @@ authentication, so that what one side sent and the other never loaded is given b
 closes the connection or dies (Note [connection lifetime]).
 """
 
+import os
 import secrets
 import socket
 import struct
@@ -445,24 +446,90 @@ def check_authkey(authkey: Any, caller: str) -> None:
         raise TypeError(f"torch_ipc.{caller}: authkey must be non-empty bytes, not {what}")
 
 
+# Note [a client's deadline]
+# multiprocessing's Client waits as long as the listener takes: to accept
+# (a full backlog), to challenge, to answer. A listener that accepts and
+# then says nothing, or trickles, held connect() forever. With ``timeout``,
+# a timer shuts the socket down at the deadline, which ends whatever read or
+# write waits on it (a per-read SO_RCVTIMEO would let a trickle go on), and
+# the call raises TimeoutError. Without one it waits, as multiprocessing's
+# does (a listener may accept only once its model is loaded); Ctrl-C
+# interrupts it either way.
+class _Deadline:
+    def __init__(self, sock: socket.socket, timeout: Optional[float]):
+        self.expired, self._done, self._lock, self._timer = False, False, threading.Lock(), None
+        if timeout is not None:
+            self._timer = threading.Timer(timeout, self._expire, args=(sock,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _expire(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self.expired = True
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._done = True
+        if self._timer is not None:
+            self._timer.cancel()
+
+
 def _client(address: Address, family: Optional[str], authkey: bytes,
-            max_bytes_in_flight: Optional[int]) -> Connection:
+            max_bytes_in_flight: Optional[int], timeout: Optional[float] = None) -> Connection:
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be positive or None, got {timeout!r}")
+    family = family or mpc.address_type(address)
     try:
-        conn = mpc.Client(address, family, authkey=authkey)
-    except AuthenticationError as e:
-        raise AuthenticationError(f"torch_ipc: the listener at {address!r} refused this authkey ({e})") from None
-    except OSError as e:
-        raise _with_address(e, f"cannot connect to {address!r}",
-                            "start the listener first, or check the address") from None
-    peer = _exchange_identities(conn)
-    return Connection(_ring.offer(conn), peer, max_bytes_in_flight=max_bytes_in_flight)
+        sock = socket.socket(getattr(socket, family))
+    except (AttributeError, OSError) as e:
+        raise ValueError(f"torch_ipc: cannot connect to {address!r} (family {family}): {e}") from None
+    deadline = _Deadline(sock, timeout)
+    try:
+        try:
+            sock.settimeout(timeout)
+            sock.connect(address)
+            sock.settimeout(None)
+            conn = mpc.Connection(os.dup(sock.fileno()))  # `sock` stays for the deadline's shutdown
+        except socket.timeout:
+            raise TimeoutError(f"torch_ipc: the listener at {address!r} did not accept within {timeout} s") from None
+        except OSError as e:
+            raise _with_address(e, f"cannot connect to {address!r}",
+                                "start the listener first, or check the address") from None
+        try:
+            mpc.answer_challenge(conn, authkey)
+            mpc.deliver_challenge(conn, authkey)
+            peer = _exchange_identities(conn)
+            end = _ring.offer(conn)
+        except BaseException as e:
+            conn.close()
+            if deadline.expired and isinstance(e, (EOFError, OSError, AuthenticationError)):
+                raise TimeoutError(f"torch_ipc: the listener at {address!r} did not finish the handshake "
+                                   f"within {timeout} s") from None
+            if isinstance(e, AuthenticationError):
+                raise AuthenticationError(f"torch_ipc: the listener at {address!r} refused this authkey ({e})") \
+                    from None
+            raise
+    finally:
+        deadline.cancel()
+        sock.close()
+    return Connection(end, peer, max_bytes_in_flight=max_bytes_in_flight)
 
 
-def Client(address: Address, family: Optional[str] = None, authkey: Optional[bytes] = None) -> Connection:
+def Client(address: Address, family: Optional[str] = None, authkey: Optional[bytes] = None, *,
+           timeout: Optional[float] = None) -> Connection:
     """Connect to a :class:`Listener`; the signature of
     ``multiprocessing.connection.Client``, except that ``authkey`` is required
     (bytes; there is no process-wide default). A wrong ``authkey`` raises
     :class:`multiprocessing.AuthenticationError` and nothing is received.
+    ``timeout``: seconds for the listener to accept and finish the handshake,
+    else TimeoutError (default: wait, as multiprocessing does; Note [a
+    client's deadline]).
     Set ``.max_bytes_in_flight`` on the connection for a bound (or use
     :func:`connect`).
 
@@ -472,10 +539,11 @@ def Client(address: Address, family: Optional[str] = None, authkey: Optional[byt
         ...     y = conn.recv()
     """
     check_authkey(authkey, "Client")
-    return _client(address, family, authkey, None)
+    return _client(address, family, authkey, None, timeout)
 
 
-def connect(address: Address, *, authkey: bytes, max_bytes_in_flight: Optional[int] = None) -> Connection:
-    """``Client(address, authkey=authkey)``."""
+def connect(address: Address, *, authkey: bytes, max_bytes_in_flight: Optional[int] = None,
+            timeout: Optional[float] = None) -> Connection:
+    """``Client(address, authkey=authkey, timeout=timeout)``."""
     check_authkey(authkey, "connect")
-    return _client(address, None, authkey, max_bytes_in_flight)
+    return _client(address, None, authkey, max_bytes_in_flight, timeout)

@@ -20,7 +20,6 @@ from typing import Callable, Tuple
 import torch
 
 from .. import _serialize
-from ..errors import DescriptorError
 
 __all__ = ["reduce_tensor", "rebuild_tensor"]
 
@@ -45,7 +44,4 @@ def reduce_tensor(tensor: torch.Tensor) -> Tuple[Callable[[bytes], torch.Tensor]
 
 def rebuild_tensor(descriptor: bytes) -> torch.Tensor:
     """The tensor of a :func:`reduce_tensor` handle, on the sender's memory."""
-    tensor = _serialize.loads(descriptor, weights_only=True)
-    if not isinstance(tensor, torch.Tensor):
-        raise DescriptorError(f"torch_ipc: a reduce_tensor() handle holds a tensor, this one a {type(tensor).__name__}")
-    return tensor
+    return _serialize.loads(descriptor, weights_only=True, expect=torch.Tensor, what="a reduce_tensor() handle")
