@@ -9,6 +9,8 @@ import contextlib
 import gc
 import os
 import secrets
+import signal
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -258,6 +260,43 @@ def poll_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: f
             return False
         time.sleep(interval)
     return True
+
+
+@contextlib.contextmanager
+def at_fd_limit(limit: int = 1024):
+    """This process with no fd left (RLIMIT_NOFILE at most `limit`, every
+    one taken), as under EMFILE; the fds and the limit back after."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, limit), hard))
+    held = []
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    try:
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@contextlib.contextmanager
+def ctrl_c_after(seconds: float):
+    """SIGINT to this process `seconds` in, with Python's default handler
+    (KeyboardInterrupt in the main thread), as a user's Ctrl-C."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()
+        signal.signal(signal.SIGINT, previous)
 
 
 def wait_for_stats(key: str, value: int, timeout: float = 5.0) -> Dict[str, int]:

@@ -12,19 +12,13 @@
 #include <exception>
 #include <memory>
 
+#include "base/interrupt.h"
 #include "base/unique_fd.h"
 
 #include "os/ring.h"
 #include "os/ring_segment.h"
 
 namespace torch_ipc {
-
-// A wait of the channel ended because Python's signal handler raised (Note
-// [interruptible waits] in ring.cpp): the Python error is set; the bindings
-// raise it.
-struct WaitInterrupted : std::exception {
-  const char* what() const noexcept override { return "torch_ipc: a channel wait was interrupted"; }
-};
 
 class Channel {
  public:

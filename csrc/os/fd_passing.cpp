@@ -2,6 +2,7 @@
 // protocol (SOCK_SEQPACKET + SCM_RIGHTS), the client, and pidfd_getfd pulls.
 #include "os/fd_passing.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstddef>
@@ -21,9 +22,11 @@
 
 #include <c10/util/Exception.h>
 
+#include "base/clock.h"
 #include "base/env.h"
 #include "base/errors.h"
 #include "base/fork.h"
+#include "base/interrupt.h"
 #include "base/str.h"
 
 #include "os/names.h"
@@ -468,9 +471,24 @@ void send_request(int sock, const ProcessId& owner, uint64_t id) {
   throw_gone_or(owner, os_error(err, "send", "of a request to the producer (" + pid_text(owner) + ")"));
 }
 
+// Whether `sock` has something to read (or an error, or an end) within the
+// answer time, waited for in slices (Note [interruptible waits] in base/interrupt.h).
+bool await_answer(int sock) {
+  const int64_t end = steady_now_ns() + static_cast<int64_t>(g_answer_seconds * 1e9);
+  for (;;) {
+    const int64_t left = end - steady_now_ns();
+    if (left <= 0) return false;
+    pollfd p{sock, POLLIN, 0};
+    const int ready = poll(&p, 1, static_cast<int>(std::clamp<int64_t>(left / 1'000'000, 1, 50)));
+    if (ready > 0 || (ready < 0 && errno != EINTR)) return true;  // recvmsg says what it is
+    if (wait_interrupted()) throw WaitInterrupted();
+  }
+}
+
 // Step 3: one reply message into `buf`, its fds owned by `fds`; its length.
 // A reset is read past once: the reply it cut off may wait behind it.
 size_t receive_reply(int sock, const ProcessId& owner, char* buf, std::vector<UniqueFd>& fds) {
+  const bool answered = await_answer(sock);
   for (int attempt = 0;; ++attempt) {
     alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kBatch)];
     iovec iov{buf, kMaxReply};
@@ -480,7 +498,7 @@ size_t receive_reply(int sock, const ProcessId& owner, char* buf, std::vector<Un
     msg.msg_control = control;
     msg.msg_controllen = sizeof(control);
     ssize_t n;
-    do n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | (attempt > 0 ? MSG_DONTWAIT : 0));
+    do n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | (attempt > 0 || !answered ? MSG_DONTWAIT : 0));
     while (n < 0 && errno == EINTR);
     const int err = errno;
     // Own every fd that arrived before looking at anything else.

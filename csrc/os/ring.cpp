@@ -10,6 +10,7 @@
 #include "base/clock.h"
 #include "base/env.h"
 #include "base/errors.h"
+#include "base/interrupt.h"
 
 #include "os/futex.h"
 
@@ -54,16 +55,8 @@ namespace torch_ipc {
 // multiprocessing.Pipe's: 0 yields 0.54x, 2: 0.42x, 4: 0.41x, 8: 0.39x,
 // 16: 0.38x, 32: 0.38x. On an idle machine a yield returns at once: 16 of
 // them are ~5 us more of spinning.
-// Note [interruptible waits]
-// Ctrl-C must end any wait of the channel, as it ends a wait on a socket.
-// A wait sleeps with the GIL released, in slices of at most kPeerCheckNs;
-// each time a slice ends with nothing there (woken, timed out, or EINTR: a
-// signal that hit this thread ends the futex wait at once) it asks the
-// InterruptCheck, which the bindings make "run Python's signal handlers if
-// this is the main thread, and say whether one raised". A handler that
-// raises ends the wait (WaitEnd::Interrupted) and its exception is what the
-// call raises; one that returns lets the wait go on. A signal that another
-// thread took is seen at the end of the slice: within ~kPeerCheckNs.
+// A wait's slices end at least every kPeerCheckNs (Note [interruptible waits]
+// in base/interrupt.h).
 // Note [noticing a dead peer]
 // Nothing in the segment tells that the peer died (SIGKILL leaves no trace
 // there). Its socket does: the kernel closes it with the process. A sleeping
@@ -83,12 +76,6 @@ int64_t default_spin_ns() {
 }
 
 std::atomic<int64_t> g_spin_ns{default_spin_ns()};
-std::atomic<InterruptCheck> g_interrupt_check{nullptr};
-
-bool interrupted() {
-  InterruptCheck check = g_interrupt_check.load(std::memory_order_relaxed);
-  return check != nullptr && check();
-}
 
 template <class Ready>
 WaitEnd wait_for(Ready ready, std::atomic<uint32_t>* sleeps, const WaitContext& ctx) {
@@ -124,7 +111,7 @@ WaitEnd wait_for(Ready ready, std::atomic<uint32_t>* sleeps, const WaitContext& 
     sleeps->store(0, std::memory_order_relaxed);
     if (ready()) return WaitEnd::Ready;
     if (ctx.closed->load(std::memory_order_acquire)) return WaitEnd::Closed;
-    if (interrupted()) return WaitEnd::Interrupted;  // Note [interruptible waits]
+    if (wait_interrupted()) return WaitEnd::Interrupted;  // Note [interruptible waits] in base/interrupt.h
     if (gone()) return ready() ? WaitEnd::Ready : WaitEnd::PeerGone;
   }
 }
@@ -141,8 +128,6 @@ void wake_if_sleeping(std::atomic<uint32_t>* sleeps) {
 }  // namespace
 
 int64_t ring_spin_ns() { return g_spin_ns.load(std::memory_order_relaxed); }
-
-void set_wait_interrupt_check(InterruptCheck check) { g_interrupt_check.store(check, std::memory_order_relaxed); }
 
 void set_ring_spin_ns(int64_t ns) {
   TORCH_IPC_CHECK_VALUE(ns >= 0 && ns <= 1'000'000'000, "torch_ipc: a spin budget is 0 .. 1 s, not ", ns, " ns");

@@ -19,11 +19,9 @@ namespace torch_ipc {
 
 enum class WaitEnd { Ready, Timeout, PeerGone, Closed, Interrupted };
 
-// Asked by a sleeping waiter each time its sleep ends with nothing there
-// (Note [interruptible waits] in ring.cpp): true stops the wait
-// (WaitEnd::Interrupted). Set once by the bindings; none: never interrupted.
-using InterruptCheck = bool (*)();
-void set_wait_interrupt_check(InterruptCheck check);
+// A sleeping waiter asks wait_interrupted() each time its sleep ends with
+// nothing there: true stops the wait (WaitEnd::Interrupted; Note
+// [interruptible waits] in base/interrupt.h).
 
 // What a wait looks at besides the ring: our own close, and whether the peer
 // is gone (its end of the socket closed): asked when a sleep or the deadline

@@ -2,6 +2,8 @@
 // torch_ipc/errors.py (and builtins where they are the right ones).
 #include "base/errors.h"
 
+#include "base/interrupt.h"
+
 #include "python/bindings.h"
 
 namespace torch_ipc::python {
@@ -17,6 +19,9 @@ void raise(const char* cls, const std::string& what) { PyErr_SetString(error_cla
 void translate(std::exception_ptr p) {
   try {
     if (p) std::rethrow_exception(p);
+  } catch (const WaitInterrupted&) {
+    // The signal handler's exception is set (Note [interruptible waits] in base/interrupt.h).
+    if (!PyErr_Occurred()) PyErr_SetNone(PyExc_KeyboardInterrupt);
   } catch (const DescriptorError& e) {
     raise("DescriptorError", e.what());
   } catch (const CudaError& e) {

@@ -349,6 +349,31 @@ def test_ctrl_c_ends_a_wait_of_a_pipe(call):
             assert b.recv_bytes() == b"still in step"
 
 
+def _send_an_end_and_wait(a, report):
+    e0, e1 = torch_ipc.Pipe()
+    a.send(e1)  # its fds wait in this process's fd server
+    report.send("sent")
+    time.sleep(60)
+
+
+def test_ctrl_c_ends_a_fetch_from_a_stopped_sender():
+    # The receiver of a Pipe end fetches its fds from the sender's fd server,
+    # which a stopped sender never answers (Note [interruptible waits]).
+    ctx = mp.get_context("fork")
+    a, b = torch_ipc.Pipe()
+    here, there = ctx.Pipe()
+    sender = ctx.Process(target=_send_an_end_and_wait, args=(a, there))
+    sender.start()
+    try:
+        assert here.poll(TIMEOUT) and here.recv() == "sent"
+        os.kill(sender.pid, signal.SIGSTOP)
+        assert _interrupt(ctx, b.recv, lambda: True, settle=0.5) < 1.0
+    finally:
+        os.kill(sender.pid, signal.SIGCONT)
+        sender.kill()
+        sender.join(TIMEOUT)
+
+
 def _accept(address):
     with torch_ipc.listen(address, authkey=b"ctrl-c") as listener:
         listener.accept()

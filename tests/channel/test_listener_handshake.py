@@ -56,21 +56,20 @@ def test_hang_up_and_silent_clients_are_skipped():
                 with result["conn"] as server:
                     client.send(torch.arange(5))
                     assert server.recv().tolist() == [0, 1, 2, 3, 4]
-            # The silent client is refused at its deadline, reported by the next accept()
-            # (and the one that hung up too, if the legitimate client finished first).
+            # The silent client is refused at its deadline, reported by the next accept();
+            # the one that hung up without a word is skipped without a warning (a probe).
             later, later_result = _accept_in_thread(listener)
             deadline = time.monotonic() + JOIN_S
-            while len(result["warnings"]) + len(later_result.get("caught", ())) < 2:
+            while len(result["warnings"]) + len(later_result.get("caught", ())) < 1:
                 assert time.monotonic() < deadline, "the silent client was never refused"
                 time.sleep(0.01)
         finally:
             silent.close()
     later.join(JOIN_S)
     assert isinstance(later_result.get("error"), OSError), later_result  # the listener closed
-    refused = sorted(result["warnings"] + later_result["warnings"])  # in the order they finished
-    assert len(refused) == 2, refused
+    refused = result["warnings"] + later_result["warnings"]
+    assert len(refused) == 1, refused
     assert "did not finish the handshake within 0.5 s" in refused[0], refused
-    assert "hung up during the handshake" in refused[1], refused
 
 
 def test_hang_up_alone_does_not_raise():

@@ -5,8 +5,11 @@ unless asked otherwise; a path left by a killed listener is taken over (Note
 [stale socket path]); connect()'s errors name connect. CPU only."""
 import errno
 import os
+import shutil
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -19,6 +22,7 @@ import torch_ipc
 from torch_ipc.testing import Peer
 
 AUTHKEY = b"listener-hardening-key"
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(torch_ipc.__file__))
 JOIN_S = 30.0
 
 
@@ -240,3 +244,70 @@ def _accept_after(address: str, delay: float) -> None:
         with listener.accept() as conn:
             conn.send(float(conn.recv().sum()))
 
+
+
+def _accept_at_the_fd_limit(address: str) -> dict:
+    """In a peer: accept() with a client in the backlog and no fd left."""
+    listener = torch_ipc.listen(address, authkey=AUTHKEY)
+    waiting = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    waiting.connect(address)  # in the backlog
+    try:
+        with u.at_fd_limit():
+            started = time.monotonic()
+            try:
+                listener.accept()
+                raised = None
+            except OSError as e:
+                raised = e.errno
+            took = time.monotonic() - started
+            cpu, wall = time.process_time(), time.monotonic()
+            time.sleep(1.0)  # the acceptor keeps trying meanwhile
+            cpu_share = (time.process_time() - cpu) / (time.monotonic() - wall)
+    finally:
+        waiting.close()
+        listener.close()
+    return dict(raised=raised, took=took, cpu_share=cpu_share)
+
+
+def test_accept_at_the_fd_limit_raises_and_does_not_spin(tmp_path, ipc_peer):
+    # Note [accept at the fd limit]: multiprocessing's accept() raises EMFILE;
+    # ours spun a core trying again at once.
+    got = ipc_peer.call(_accept_at_the_fd_limit, str(tmp_path / "emfile.sock"))
+    assert got["raised"] == errno.EMFILE and got["took"] < 5, got
+    assert got["cpu_share"] < 0.3, got
+
+
+def test_a_stale_path_taken_over_by_another_listener_meanwhile_is_left_to_it(tmp_path):
+    # Note [stale socket path]: two listen() calls on one stale path at once.
+    from torch_ipc.mp import _listener
+
+    path = str(tmp_path / "raced.sock")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)
+    stale.close()  # nobody listens: stale (left long ago: file times are coarse)
+    looked_at = os.lstat(path)
+    time.sleep(0.05)
+    os.unlink(path)  # the other listener took it over first...
+    with torch_ipc.listen(path, authkey=AUTHKEY) as first:  # ...and listens there now
+        _listener._remove_if_same(path, looked_at)  # the second one's take-over, late
+        with pytest.raises(OSError, match="another listener accepts connections there"):
+            torch_ipc.listen(path, authkey=AUTHKEY)
+        assert os.path.exists(path) and os.lstat(path).st_ino == first._listener._inode
+    assert not [n for n in os.listdir(tmp_path) if ".stale-" in n]
+
+
+def test_a_socket_of_another_user_is_not_called_a_listener(tmp_path):
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv: a process without CAP_DAC_OVERRIDE, facing a root-only socket")
+    path = str(tmp_path / "root-only.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)
+    s.close()
+    os.chown(path, 65534, 65534)  # nobody's, 0600, in a sticky folder: root without its capabilities may not use it
+    os.chmod(path, 0o600)
+    os.chmod(tmp_path, 0o1777)
+    code = f"import torch_ipc; torch_ipc.listen({path!r}, authkey=b'k')"
+    caps = "-dac_override,-dac_read_search,-fowner"
+    r = subprocess.run(["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", sys.executable, "-c", code],
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=PACKAGE_ROOT))
+    assert "PermissionError" in r.stderr and "a socket this user may not connect to" in r.stderr, r.stderr[-500:]

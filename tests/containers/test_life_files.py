@@ -4,7 +4,6 @@ by. No namespaces are needed here: an identity that names another PID
 namespace is judged the same way (csrc/os/process.cpp, pid_visible)."""
 import fcntl
 import os
-import resource
 import signal
 import stat
 import struct
@@ -67,19 +66,8 @@ def _read_child_identity() -> tuple:
 
 def _alive_at_fd_limit(identity) -> tuple:
     """process_alive of `identity` with no fd left, then with fds again."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
-    held = []
-    try:
-        while True:
-            held.append(os.open("/dev/null", os.O_RDONLY))
-    except OSError:
-        pass
-    try:
+    with u.at_fd_limit(64):
         at_limit = _C.process_alive(*identity)
-    finally:
-        for fd in held:
-            os.close(fd)
     return at_limit, _C.process_alive(*identity)
 
 

@@ -5,6 +5,7 @@ hand-over of blocks with the writer's stream order, growth, and clear errors.
 On CPU pools everywhere; on CUDA pools (marked ``cuda``) also: two writers and
 a reader, a reader ordered after a slow writer, SharedPool memory that
 outlives its owner and grows."""
+import contextlib
 import os
 import random
 import time
@@ -334,15 +335,24 @@ def test_holder_killed_inside_the_allocator_is_recovered(pool):
     assert pool.holders() == {os.getpid(): 16}
 
 
-def test_a_member_that_never_releases_the_lock_is_named_after_the_time_limit(pool):
-    """Note [the pool's lock] in csrc/features/kv/pool_lock.h: a holder that
-    stays alive inside the allocator (stopped, hung) costs the others
-    lock_timeout seconds and a TimeoutError that names it, not a hang."""
-    pool.lock_timeout = 0.5
+@contextlib.contextmanager
+def _a_member_stuck_in_the_allocator(pool):
+    """A peer that holds the pool's lock and never lets go, until killed;
+    the pool repaired after (Note [the pool's lock] in csrc/features/kv/pool_lock.h)."""
     with Peer(timeout=60, name="kv-stuck") as stuck:
         stuck.call(attach, torch_ipc.dumps(pool))
         stuck.start_call(stall_inside_allocator)
         assert u.poll_until(lambda: pool.free_blocks == 0, RECLAIM_S), "the peer never took the lock"
+        yield stuck
+        stuck.kill()
+    assert len(pool.allocate(16)) == 16  # repaired after the holder died
+
+
+def test_a_member_that_never_releases_the_lock_is_named_after_the_time_limit(pool):
+    """A holder that stays alive inside the allocator (stopped, hung) costs
+    the others lock_timeout seconds and a TimeoutError that names it, not a hang."""
+    pool.lock_timeout = 0.5
+    with _a_member_stuck_in_the_allocator(pool) as stuck:
         start = time.monotonic()
         with pytest.raises(TimeoutError, match=f"within 0.5 s .*pid {stuck.pid} .*recorded taking it"):
             pool.allocate(1)
@@ -350,10 +360,18 @@ def test_a_member_that_never_releases_the_lock_is_named_after_the_time_limit(poo
         start = time.monotonic()
         assert pool._reclaim_unless_busy() == 0  # the collector's reclaim skips a busy lock
         assert time.monotonic() - start < 0.4
-        stuck.kill()
-    assert len(pool.allocate(16)) == 16  # repaired after the holder died
     with pytest.raises(ValueError, match="lock_timeout"):
         pool.lock_timeout = -1
+
+
+def test_ctrl_c_ends_a_wait_for_the_pools_lock(pool):
+    # Note [interruptible waits] in csrc/base/interrupt.h: not the whole lock_timeout.
+    pool.lock_timeout = 60
+    with _a_member_stuck_in_the_allocator(pool):
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt), u.ctrl_c_after(0.3):
+            pool.allocate(1)
+        assert time.monotonic() - start < 3
 
 
 # ----------------------------------------------------------------------------- hand-over

@@ -25,7 +25,12 @@ Note [stale socket path]
 A listener that was killed leaves its socket file behind, and binding there
 fails with EADDRINUSE. As servers do, a path that is a socket nobody accepts
 on (connecting is refused) is taken over; a path where a listener answers is
-reported as such, and one that is not a socket is left alone.
+reported as such, and one that is not a socket is left alone. Two listen()
+calls that take one stale path over at once must not both succeed: the
+second would unlink the first's fresh socket, which then listens where
+nobody can reach it. So the stale file is moved aside (rename is atomic),
+and removed only if it is the file that was probed; anything else is put
+back, and bind() then says EADDRINUSE.
 """
 
 import errno
@@ -36,6 +41,7 @@ import stat
 import struct
 import sys
 import threading
+import time
 from multiprocessing import connection as mpc
 from typing import Any, Optional, Protocol, Tuple, Union
 
@@ -53,6 +59,14 @@ class Handshake(Protocol):
 
 _MAX_PENDING = 64  # connections in handshake or waiting in the queue
 _ACCEPT_POLL_S = 0.5  # how often the acceptor looks whether the listener was closed
+_ACCEPT_RETRY_S = 0.05  # how soon it tries again after accept() failed (Note [accept at the fd limit])
+
+# Note [accept at the fd limit]
+# A client waiting in the backlog while this process is out of fds (EMFILE)
+# makes every accept() fail at once: the acceptor tried again at once, and
+# spun a core. It now waits _ACCEPT_RETRY_S between tries, and the first
+# failure of a run is raised by Listener.accept(), as multiprocessing's
+# accept() raises it; the client stays in the backlog for the next try.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # torch_ipc/
 
 
@@ -108,7 +122,10 @@ def _someone_listens(path: str) -> bool:
         return True
     except (ConnectionRefusedError, FileNotFoundError):
         return False
-    except OSError:  # EACCES, a timeout (a full backlog): somebody is there
+    except PermissionError:
+        raise _cannot_listen(PermissionError, errno.EACCES, path, "a socket this user may not connect to is "
+                             "there (another user's)", "pick another address") from None
+    except OSError:  # a timeout (a full backlog): somebody is there
         return True
     finally:
         probe.close()
@@ -127,9 +144,28 @@ def _take_over_stale_path(path: str) -> None:
         raise _cannot_listen(OSError, errno.EADDRINUSE, path, "another listener accepts connections there",
                              "pick a free address")
     try:
-        os.unlink(path)
+        _remove_if_same(path, st)
     except OSError as e:
         raise _listen_error(e, path) from None
+
+
+def _remove_if_same(path: str, stale: os.stat_result) -> None:
+    """Remove the file at ``path`` if it is still ``stale``: another listen()
+    may have taken the path over since it was looked at, and its fresh socket
+    must stay (Note [stale socket path])."""
+    aside = f"{path}.stale-{os.getpid()}-{threading.get_ident():x}"
+    try:
+        os.rename(path, aside)  # atomic: whatever is there now, and only that, is moved
+    except FileNotFoundError:
+        return  # taken over and gone already: bind() says whether the path is free
+    moved = os.lstat(aside)
+    # The inode number alone is not enough: a fresh socket may get the stale one's freed number.
+    if (moved.st_dev, moved.st_ino, moved.st_mtime_ns) != (stale.st_dev, stale.st_ino, stale.st_mtime_ns):
+        try:
+            os.link(aside, path)  # another listener's fresh socket: back where it was
+        except OSError:
+            pass
+    os.unlink(aside)
 
 
 class SocketListener:
@@ -207,7 +243,7 @@ class Handshakes:
         self._thread.start()
 
     def next(self) -> Tuple[str, object]:
-        """("ok", connection), ("refused", (error, timed_out, peer)) or ("closed", None)."""
+        """("ok", connection), ("refused", (error, timed_out, peer)), ("error", OSError) or ("closed", None)."""
         kind, value = self._results.get()
         if kind == "ok":
             self._slots.release()
@@ -231,16 +267,23 @@ class Handshakes:
             self._results.put(item)
 
     def _accept_loop(self) -> None:
+        failing = False  # Note [accept at the fd limit]
         while not self._listener.closed:
             if not self._slots.acquire(timeout=_ACCEPT_POLL_S):
                 continue
             try:
                 sock = self._listener.accept()
-            except OSError:
+            except OSError as e:
                 sock = None
                 if self._listener.closed:
                     self._slots.release()
                     return
+                if not failing:
+                    self._results.put(("error", e))
+                failing = True
+                time.sleep(_ACCEPT_RETRY_S)
+            else:
+                failing = False
             if sock is None:
                 self._slots.release()
                 continue

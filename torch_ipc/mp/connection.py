@@ -300,8 +300,14 @@ def _exchange_identities(conn: mpc.Connection) -> _process.ProcessId:
 # out of accept() nor delay other clients: each handshake runs on a thread of
 # its own under one deadline of `handshake_timeout` seconds for all of it
 # (Note [concurrent handshakes] in _listener.py), the client is closed, and
-# accept() warns and goes on with the next one.
+# accept() warns and goes on with the next one. A client that hangs up
+# without a word (a health check's connect, the probe of a second listen()
+# at this path: Note [stale socket path]) is skipped without a warning.
 _HANDSHAKE_ERRORS = (AuthenticationError, EOFError, OSError)
+
+
+class _SaidNothing(EOFError):
+    """A client hung up before it answered the challenge with a single byte."""
 
 
 class _ServerHandshake:
@@ -317,7 +323,10 @@ class _ServerHandshake:
 
     def authenticate(self, conn: mpc.Connection) -> _process.ProcessId:
         """Authenticate a client that just connected; its process."""
-        mpc.deliver_challenge(conn, self._authkey)
+        try:
+            mpc.deliver_challenge(conn, self._authkey)
+        except (EOFError, BrokenPipeError, ConnectionResetError):  # EOFError: no byte of an answer
+            raise _SaidNothing() from None
         mpc.answer_challenge(conn, self._authkey)
         return _exchange_identities(conn)
 
@@ -400,9 +409,13 @@ class Listener:
                 return value
             if kind == "closed":
                 raise OSError("torch_ipc: the listener is closed")
+            if kind == "error":  # Note [accept at the fd limit] in _listener.py
+                raise value
             error, timed_out, peer = value
             if not isinstance(error, _HANDSHAKE_ERRORS):
                 raise error
+            if isinstance(error, _SaidNothing) and not timed_out:
+                continue
             warnings.warn(f"torch_ipc: refused a client ({peer}): "
                           f"{_refusal(error, timed_out, self.handshake_timeout)}",
                           RuntimeWarning, stacklevel=_listener.caller_stacklevel())

@@ -45,7 +45,9 @@ namespace torch_ipc {
 class BlockAllocator::Lock {
  public:
   // Takes the lock, repairs after a holder that died, checks the counts.
-  explicit Lock(const BlockAllocator& a, bool wait = true) : mutex_(a.header(), a.lock_timeout_, wait, a.name()) {
+  // `interruptible`: Ctrl-C ends the wait (not where nothing could raise it: a detach at exit).
+  explicit Lock(const BlockAllocator& a, bool wait = true, bool interruptible = true)
+      : mutex_(a.header(), a.lock_timeout_, wait, a.name(), interruptible) {
     if (!mutex_.locked()) return;
     if (mutex_.owner_died()) {  // Note [block ownership under a robust mutex]
       try {
@@ -144,7 +146,7 @@ void BlockAllocator::detach() noexcept {
   }
   if (!registered_) return;
   try {
-    Lock lock(*this);
+    Lock lock(*this, /*wait=*/true, /*interruptible=*/false);
     release_slot_locked(slot_);
   } catch (const std::exception& e) {
     TORCH_WARN("torch_ipc: detaching from KV pool ", name(), " failed: ", e.what());

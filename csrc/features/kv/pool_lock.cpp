@@ -1,5 +1,6 @@
 #include "features/kv/pool_lock.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -8,7 +9,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "base/clock.h"
 #include "base/errors.h"
+#include "base/interrupt.h"
 
 #if defined(__GLIBC__) && __WORDSIZE == 64
 #define TORCH_IPC_GLIBC_MUTEX 1  // the fields of Note [the pool's lock] are known
@@ -44,6 +47,8 @@ uint32_t lock_word_owner(const pthread_mutex_t& m) {
 }
 #endif
 
+constexpr int64_t kLockSliceNs = 50'000'000;  // how late a Ctrl-C may be seen
+
 timespec deadline_after(double seconds) {
   timespec t;
   clock_gettime(CLOCK_REALTIME, &t);  // pthread_mutex_timedlock's clock
@@ -78,7 +83,8 @@ void init_pool_mutex(pthread_mutex_t* mutex, const std::string& pool_name) {
   if (r != 0) throw os_error(r, "pthread_mutex_init", pool_name);
 }
 
-PoolMutex::PoolMutex(PoolHeader* h, double timeout_s, bool wait, const std::string& pool_name) : h_(h) {
+PoolMutex::PoolMutex(PoolHeader* h, double timeout_s, bool wait, const std::string& pool_name, bool interruptible)
+    : h_(h) {
 #ifdef TORCH_IPC_GLIBC_MUTEX
   const int kind = h->mutex.__data.__kind;
   if (kind != kPoolMutexKind)
@@ -86,8 +92,15 @@ PoolMutex::PoolMutex(PoolHeader* h, double timeout_s, bool wait, const std::stri
 #endif
   int r;
   if (wait) {
-    const timespec deadline = deadline_after(timeout_s > 0 ? timeout_s : 0);
-    r = pthread_mutex_timedlock(&h->mutex, &deadline);
+    // In slices, so that Ctrl-C ends the wait (Note [interruptible waits] in base/interrupt.h).
+    const int64_t end = steady_now_ns() + static_cast<int64_t>((timeout_s > 0 ? timeout_s : 0) * 1e9);
+    for (;;) {
+      const int64_t left = end - steady_now_ns();
+      const timespec deadline = deadline_after(static_cast<double>(std::clamp<int64_t>(left, 0, kLockSliceNs)) / 1e9);
+      r = pthread_mutex_timedlock(&h->mutex, &deadline);
+      if (r != ETIMEDOUT || left <= kLockSliceNs) break;
+      if (interruptible && wait_interrupted()) throw WaitInterrupted();
+    }
   } else {
     r = pthread_mutex_trylock(&h->mutex);
     if (r == EBUSY) return;

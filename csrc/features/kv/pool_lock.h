@@ -35,8 +35,10 @@ class PoolMutex {
  public:
   // Take the lock of `h`: within timeout_s seconds when `wait`, else only if
   // it is free now (locked() tells). Throws OsError(ETIMEDOUT) saying who
-  // holds it, PoolCorrupted when the mutex is not one this process made.
-  PoolMutex(PoolHeader* h, double timeout_s, bool wait, const std::string& pool_name);
+  // holds it, PoolCorrupted when the mutex is not one this process made,
+  // WaitInterrupted when `interruptible` and Ctrl-C ended the wait (Note
+  // [interruptible waits] in base/interrupt.h).
+  PoolMutex(PoolHeader* h, double timeout_s, bool wait, const std::string& pool_name, bool interruptible = true);
   ~PoolMutex();
   PoolMutex(const PoolMutex&) = delete;
   PoolMutex& operator=(const PoolMutex&) = delete;
