@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import torch_ipc
+from torch_ipc.mp import _listener
 from torch_ipc.testing import Peer
 
 AUTHKEY = b"listener-hardening-key"
@@ -218,8 +219,6 @@ def test_connect_to_a_listener_that_never_finishes_the_handshake_times_out(tmp_p
         with pytest.raises(TimeoutError, match="did not finish the handshake within 0.5 s"):
             torch_ipc.connect(str(tmp_path / "silent.sock"), authkey=AUTHKEY, timeout=0.5)
         assert 0.4 < time.monotonic() - started < 10
-        with pytest.raises(TimeoutError):
-            torch_ipc.Client(str(tmp_path / "silent.sock"), authkey=AUTHKEY, timeout=0.3)
     finally:
         server.close()
         for c in accepted:
@@ -230,7 +229,7 @@ def test_connect_with_a_timeout_to_a_listener_that_accepts_late(tmp_path, ipc_pe
     # The deadline covers the handshake only: the connection then lives on.
     address = str(tmp_path / "late.sock")
     ipc_peer.start_call(_accept_after, address, 0.3)
-    assert u.poll_until(lambda: os.path.exists(address), timeout=JOIN_S)
+    assert u.poll_until(lambda: os.path.exists(address) and _listener._someone_listens(address), timeout=JOIN_S)
     with torch_ipc.connect(address, authkey=AUTHKEY, timeout=20) as conn:
         time.sleep(0.5)
         conn.send(torch.arange(3.0))
@@ -279,8 +278,6 @@ def test_accept_at_the_fd_limit_raises_and_does_not_spin(tmp_path, ipc_peer):
 
 def test_a_stale_path_taken_over_by_another_listener_meanwhile_is_left_to_it(tmp_path):
     # Note [stale socket path]: two listen() calls on one stale path at once.
-    from torch_ipc.mp import _listener
-
     path = str(tmp_path / "raced.sock")
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(path)

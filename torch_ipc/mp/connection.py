@@ -534,15 +534,13 @@ def _client(address: Address, family: Optional[str], authkey: bytes,
     return Connection(end, peer, max_bytes_in_flight=max_bytes_in_flight)
 
 
-def Client(address: Address, family: Optional[str] = None, authkey: Optional[bytes] = None, *,
-           timeout: Optional[float] = None) -> Connection:
+def Client(address: Address, family: Optional[str] = None, authkey: Optional[bytes] = None) -> Connection:
     """Connect to a :class:`Listener`; the signature of
     ``multiprocessing.connection.Client``, except that ``authkey`` is required
     (bytes; there is no process-wide default). A wrong ``authkey`` raises
     :class:`multiprocessing.AuthenticationError` and nothing is received.
-    ``timeout``: seconds for the listener to accept and finish the handshake,
-    else TimeoutError (default: wait, as multiprocessing does; Note [a
-    client's deadline]).
+    It waits for the listener as multiprocessing's does; :func:`connect`
+    takes a ``timeout`` (Note [a client's deadline]).
     Set ``.max_bytes_in_flight`` on the connection for a bound (or use
     :func:`connect`).
 
@@ -552,7 +550,7 @@ def Client(address: Address, family: Optional[str] = None, authkey: Optional[byt
         ...     y = conn.recv()
     """
     check_authkey(authkey, "Client")
-    return _client(address, family, authkey, None, timeout)
+    return _client(address, family, authkey, None)
 
 
 def connect(address: Address, *, authkey: bytes, max_bytes_in_flight: Optional[int] = None,
