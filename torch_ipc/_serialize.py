@@ -9,8 +9,12 @@ Note [tensors torch_ipc does not share itself]
 As torch.multiprocessing does: a meta tensor travels as its shape, strides and
 dtype (torch's own reducer); a sparse tensor (COO, CSR, CSC, BSR, BSC) as its
 index and value tensors, which torch_ipc shares, rebuilt around them on the
-other side; any other layout raises a TypeError that names it. A non-leaf
-tensor that requires grad is refused with torch's own message.
+other side; a nested tensor by torch's own reducer, around its buffer, which
+torch_ipc shares; any other layout raises a TypeError that names it. A
+non-leaf tensor that requires grad is refused with torch's own message. A
+tensor subclass (other than nn.Parameter) pickles as torch pickles it, by its
+own ``__reduce_ex__``, and the storage under it is shared: a subclass through
+a Queue arrives as that subclass, on the sender's memory.
 """
 
 import copyreg
@@ -35,6 +39,9 @@ _STORAGE = 1
 _TYPED_STORAGE = 2
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 class _Pickler(ForkingPickler):
     # A ForkingPickler, so that what else the message holds (connections, file
     # descriptors) pickles as multiprocessing would pickle it.
@@ -50,6 +57,8 @@ class _Pickler(ForkingPickler):
 
     def persistent_id(self, obj):
         if isinstance(obj, torch.Tensor):
+            if type(obj) not in _PLAIN_TENSORS or obj.is_nested:  # Note [tensors torch_ipc does not share itself]
+                return None
             if not _C.shared_natively(obj):  # Note [one shareability rule] in csrc/core/export.cpp
                 return None
             kind, tensor, extra = _TENSOR, obj, ()
@@ -66,8 +75,6 @@ class _Pickler(ForkingPickler):
             tensor = torch.empty(0, dtype=torch.uint8, device=untyped.device).set_(untyped)
         else:
             return None
-        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-            raise TypeError(f"torch_ipc shares torch.Tensor and nn.Parameter, not {type(tensor).__name__}")
         self._tensors.append(tensor)
         self._parameters.append(type(tensor) is torch.nn.Parameter)
         return (kind, len(self._tensors) - 1, *extra)
@@ -77,8 +84,8 @@ def _reduce_unshared_tensor(t: torch.Tensor):
     """Pickle a tensor that persistent_id left alone: meta and sparse ones."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    if t.is_meta or (t.requires_grad and not t.is_leaf):
-        return reduce_tensor(t)  # torch's: shape only, or torch's refusal
+    if t.is_meta or t.is_nested or (t.requires_grad and not t.is_leaf):
+        return reduce_tensor(t)  # torch's: shape only, its buffer (shared by persistent_id), or torch's refusal
     if t.layout is torch.sparse_coo:
         parts = (t._indices().detach(), t._values().detach())
         return (_rebuild_sparse, (t.layout, parts, t.shape, t.is_coalesced(), t.requires_grad))

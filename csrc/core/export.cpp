@@ -301,7 +301,10 @@ std::shared_ptr<Export> attach_leases_and_encode(Descriptor& d, TableBuilder& ta
 // _C.shared_natively) before it takes a fast path or hands a tensor to
 // export_tensors, and check_shareable refuses what it rejects, so a refusal
 // here is an error, never a signal to retry another way.
-bool shared_natively(const at::Tensor& t) { return t.defined() && t.layout() == c10::kStrided && !t.is_meta(); }
+// A nested tensor goes by torch's reducer, around its buffer.
+bool shared_natively(const at::Tensor& t) {
+  return t.defined() && t.layout() == c10::kStrided && !t.is_meta() && !t.is_nested();
+}
 
 Export::Export(std::string data, std::optional<LeaseRecord> own, std::vector<LeaseRecord> forwarded, uint32_t consumers)
     : data_(std::move(data)), own_(own), forwarded_(std::move(forwarded)), consumers_(consumers) {}

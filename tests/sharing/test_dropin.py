@@ -74,6 +74,53 @@ def test_spawned_children_inherit_init_reductions():
     assert "torch_ipc.reductions" not in mp.current_process()._config  # restored
 
 
+def _share_memory_and_write(queue, done):
+    x = queue.get(timeout=TIMEOUT)
+    shared_before = x.is_shared()
+    x.share_memory_()  # as code that makes sure does; torch moved anything not in its own segment
+    x.fill_(9.0)
+    done.put(shared_before)
+
+
+def test_share_memory_on_a_received_tensor_keeps_the_senders_memory():
+    # Note [torch never sees our storages] in torch_ipc/mp/_reductions.py.
+    ctx = mp.get_context("fork")
+    with torch_ipc.reductions():
+        queue, done = ctx.Queue(), ctx.Queue()
+        x = torch.zeros(4)
+        with u.running(ctx.Process(target=_share_memory_and_write, args=(queue, done))):
+            queue.put(x)
+            shared_there = done.get(timeout=TIMEOUT)
+    assert x.tolist() == [9.0] * 4, "share_memory_() moved the received tensor away from the sender's memory"
+    assert shared_there and x.is_shared()  # as stock torch says of both ends
+    assert torch.zeros(2).is_shared() is False  # torch's own answer for the rest
+
+
+class _MyTensor(torch.Tensor):
+    pass
+
+
+def _write_what_arrives(queue, done):
+    sub, nested = queue.get(timeout=TIMEOUT)
+    sub.fill_(7.0)
+    done.put((type(sub).__name__, [t.tolist() for t in nested.unbind()]))
+
+
+def test_subclasses_and_nested_tensors_arrive_as_torch_sends_them():
+    # Note [tensors torch_ipc does not share itself]: a subclass by its own
+    # __reduce_ex__ on shared storage, a nested tensor by torch's reducer.
+    ctx = mp.get_context("fork")
+    with torch_ipc.reductions():
+        queue, done = ctx.Queue(), ctx.Queue()
+        sub = torch.zeros(3).as_subclass(_MyTensor)
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.arange(3.0)])
+        with u.running(ctx.Process(target=_write_what_arrives, args=(queue, done))):
+            queue.put((sub, nested))
+            kind, parts = done.get(timeout=TIMEOUT)
+    assert kind == "_MyTensor" and parts == [[1.0, 1.0], [0.0, 1.0, 2.0]]
+    assert sub.tolist() == [7.0] * 3, "the subclass arrived as a copy"
+
+
 # ----------------------------------------------------------------------------- torch's pickling rules
 
 

@@ -20,7 +20,14 @@ anything from it does), torch's tensor and storage reducers are wrapped:
 what torch_ipc owns or mapped goes through torch_ipc (one descriptor per
 tensor), everything else to torch exactly as before. A relay that received
 tensors and forwards them through its own Queue or Pipe needs no
-init_reductions() of its own.
+init_reductions() of its own. Nor does torch move them itself: its
+``share_memory_()`` copies any CPU storage that is not in its own shared
+memory into a new segment, so a consumer that called ``share_memory_()`` on
+a received tensor (or ``model.share_memory()`` on a received model) wrote
+into a private copy from then on, and ``is_shared()`` said False where
+stock torch says True. So ``UntypedStorage.share_memory_`` and
+``is_shared`` are wrapped too: a storage torch_ipc shares or mapped is
+shared memory already.
 
 Note [spawned children inherit the reductions]
 init_reductions() puts a marker in multiprocessing's process config, which
@@ -49,6 +56,7 @@ What a message exported is tied to the connection that sends it (Note
 """
 
 import contextlib
+import functools
 import multiprocessing.process
 import pickle
 import threading
@@ -176,6 +184,30 @@ def _install_guards() -> None:
         reducer = ForkingPickler._extra_reducers.get(t)
         if getattr(reducer, "torch_reducer", False) is False:  # not wrapped yet
             ForkingPickler.register(t, _guarded(reducer))
+    _guard_storage_methods()
+
+
+def _ours(storage: torch.UntypedStorage) -> bool:
+    return storage.device.type == "cpu" and _C.is_torch_ipc_storage(_tensor_view(storage))
+
+
+def _guard_storage_methods() -> None:
+    """Note [torch never sees our storages]: share_memory_() and is_shared()."""
+    cls = torch.UntypedStorage
+    share, is_shared = cls.share_memory_, cls.is_shared
+    if getattr(share, "torch_ipc_guard", False):
+        return
+
+    @functools.wraps(share)
+    def share_memory_(self, *args, **kwargs):
+        return self if _ours(self) else share(self, *args, **kwargs)
+
+    @functools.wraps(is_shared)
+    def guarded_is_shared(self):
+        return is_shared(self) or _ours(self)
+
+    share_memory_.torch_ipc_guard = guarded_is_shared.torch_ipc_guard = True
+    cls.share_memory_, cls.is_shared = share_memory_, guarded_is_shared
 
 
 class _InheritReductions:
