@@ -22,6 +22,7 @@ import io
 import os
 import pickle
 import re
+import threading
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, List, Optional
 
@@ -40,6 +41,66 @@ _TYPED_STORAGE = 2
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_STORAGE_TYPES = (torch.UntypedStorage, torch.storage.TypedStorage, *torch._storage_classes)
+
+# Note [torch's shared memory through multiprocessing]
+# A CPU tensor that share_memory_() put in torch's shared memory before the
+# process forked is mapped by its forked children too: a DataLoader's
+# shared cache, Hogwild weights. Exported by torch_ipc, its storage moved
+# into a new segment of torch_ipc's (ensure_host_shared), and the sender's
+# writes from then on went there, where the forked children never look: a
+# worker's cache fills stopped reaching the main process. Through
+# multiprocessing's own channels (init_reductions: a Queue, a Pipe, a
+# DataLoader's result queue; the peers are one program's processes, which
+# torch's fd passing reaches) such storages are therefore left to torch's
+# reducers, exactly as stock torch sends them, where another process may map
+# them: one that another process made (its pid is in torch's name for it), or
+# any, once this process has forked. A storage this process made and never
+# forked with (the batch a DataLoader worker's collate puts in shared memory)
+# is nobody else's and goes through torch_ipc. Through torch_ipc's own
+# channels and dumps(), whose peers may be any process, torch's fd passing
+# does not work, and the storage is still moved (docs/drop-in.md says so).
+_torch_shm = threading.local()
+_forked = [False]  # whether this process forked a child since it started
+os.register_at_fork(after_in_parent=lambda: _forked.__setitem__(0, True),
+                    after_in_child=lambda: _forked.__setitem__(0, False))
+
+
+def maybe_mapped_elsewhere(t: torch.Tensor) -> bool:
+    """Whether ``t`` is in torch's shared memory that another process may map."""
+    maker = _C.torch_shared_memory_maker(t)
+    return maker != 0 and (maker != os.getpid() or _forked[0])
+
+
+def torch_shm_by_torch() -> "_TorchShmByTorch":
+    """While active on this thread, storages in torch's shared memory go to
+    torch's reducers (Note [torch's shared memory through multiprocessing])."""
+    return _TorchShmByTorch()
+
+
+class _TorchShmByTorch:
+    def __enter__(self):
+        self.previous = getattr(_torch_shm, "on", False)
+        _torch_shm.on = True
+
+    def __exit__(self, *exc):
+        _torch_shm.on = self.previous
+
+
+def _left_to_torch(t: torch.Tensor) -> bool:
+    return getattr(_torch_shm, "on", False) and maybe_mapped_elsewhere(t)
+
+
+def _reduce_storage_by_torch(storage):
+    """A storage persistent_id left alone (meta, or in torch's shared memory):
+    torch's own reducer of its type, as torch.multiprocessing registers them."""
+    from torch.multiprocessing import reductions
+
+    if isinstance(storage, torch.UntypedStorage):
+        return reductions.reduce_storage(storage)
+    if type(storage) is torch.storage.TypedStorage:
+        return reductions.reduce_typed_storage(storage)
+    return reductions.reduce_typed_storage_child(storage)
 
 
 class _Pickler(ForkingPickler):
@@ -54,12 +115,15 @@ class _Pickler(ForkingPickler):
         # not share itself]), never to the reducers init_reductions installs.
         self.dispatch_table[torch.Tensor] = _reduce_unshared_tensor
         self.dispatch_table[torch.nn.Parameter] = _reduce_unshared_tensor
+        for t in _STORAGE_TYPES:
+            self.dispatch_table[t] = _reduce_storage_by_torch
 
     def persistent_id(self, obj):
         if isinstance(obj, torch.Tensor):
             if type(obj) not in _PLAIN_TENSORS or obj.is_nested:  # Note [tensors torch_ipc does not share itself]
                 return None
-            if not _C.shared_natively(obj):  # Note [one shareability rule] in csrc/core/export.cpp
+            # Note [one shareability rule] in csrc/core/export.cpp
+            if not _C.shared_natively(obj) or _left_to_torch(obj):
                 return None
             kind, tensor, extra = _TENSOR, obj, ()
         elif isinstance(obj, torch.UntypedStorage):
@@ -75,6 +139,8 @@ class _Pickler(ForkingPickler):
             tensor = torch.empty(0, dtype=torch.uint8, device=untyped.device).set_(untyped)
         else:
             return None
+        if _left_to_torch(tensor):  # Note [torch's shared memory through multiprocessing]
+            return None
         self._tensors.append(tensor)
         self._parameters.append(type(tensor) is torch.nn.Parameter)
         return (kind, len(self._tensors) - 1, *extra)
@@ -84,7 +150,7 @@ def _reduce_unshared_tensor(t: torch.Tensor):
     """Pickle a tensor that persistent_id left alone: meta and sparse ones."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    if t.is_meta or t.is_nested or (t.requires_grad and not t.is_leaf):
+    if t.is_meta or t.is_nested or (t.requires_grad and not t.is_leaf) or _left_to_torch(t):
         return reduce_tensor(t)  # torch's: shape only, its buffer (shared by persistent_id), or torch's refusal
     if t.layout is torch.sparse_coo:
         parts = (t._indices().detach(), t._values().detach())
@@ -184,6 +250,8 @@ _STR_SET = frozenset((str,))
 def _flat(obj):
     """(tensors, is_parameter, payload) for the fast shapes, else payload None."""
     kind = type(obj)
+    if getattr(_torch_shm, "on", False):
+        return None, None, None  # the pickler decides per tensor (Note [torch's shared memory through multiprocessing])
     if kind is torch.Tensor:
         if _C.shared_natively(obj):
             return [obj], [], _SINGLE

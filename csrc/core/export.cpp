@@ -1,6 +1,9 @@
 #include "core/export.h"
 
+#include <ATen/MapAllocator.h>
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <tuple>
 #include <unordered_map>
@@ -301,6 +304,21 @@ std::shared_ptr<Export> attach_leases_and_encode(Descriptor& d, TableBuilder& ta
 // _C.shared_natively) before it takes a fast path or hands a tensor to
 // export_tensors, and check_shareable refuses what it rejects, so a refusal
 // here is an error, never a signal to retry another way.
+int64_t torch_shared_memory_maker(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || !t.is_cpu()) return 0;
+  const c10::DataPtr& data = t.storage().data_ptr();
+  at::MapAllocator* map = at::MapAllocator::fromDataPtr(data);
+  if (map == nullptr) map = at::RefcountedMapAllocator::fromDataPtr(data);
+  if (map == nullptr) return 0;
+  // torch names its segments /torch_<pid>_<random>_<counter>.
+  const std::string& name = map->filename();
+  constexpr const char* kPrefix = "/torch_";
+  if (name.rfind(kPrefix, 0) != 0) return -1;
+  char* end = nullptr;
+  const long long pid = std::strtoll(name.c_str() + std::strlen(kPrefix), &end, 10);
+  return end != nullptr && *end == '_' && pid > 0 ? pid : -1;
+}
+
 // A nested tensor goes by torch's reducer, around its buffer.
 bool shared_natively(const at::Tensor& t) {
   return t.defined() && t.layout() == c10::kStrided && !t.is_meta() && !t.is_nested();

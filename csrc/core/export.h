@@ -52,6 +52,11 @@ class __attribute__((visibility("hidden"))) Export {
 // Whether export_tensors shares `t` itself: strided, with memory (not meta).
 // Note [one shareability rule] in export.cpp.
 bool shared_natively(const at::Tensor& t);
+// When `t`'s memory is torch's own CPU shared memory (share_memory_(): a
+// MapAllocator), which forked children may map too (Note [torch's shared memory
+// through multiprocessing] in torch_ipc/_serialize.py): the pid of the process
+// that made it, as its name says, or -1 when the name says none; else 0.
+int64_t torch_shared_memory_maker(const at::Tensor& t);
 
 // The tensors of a message, by reference: their holder (Python's list) keeps
 // them. A copy of an at::Tensor that has a Python object would take a

@@ -143,6 +143,7 @@ void bind_core(py::module_& m) {
       py::arg("while_referenced") = false);
   // Note [one shareability rule] in core/export.cpp: one tensor, or all of a list.
   m.def("shared_natively", &shared_natively, py::arg("tensor"));
+  m.def("torch_shared_memory_maker", &torch_shared_memory_maker, py::arg("tensor"));
   m.def(
       "all_shared_natively",
       [](const py::list& tensors) {  // read in place: no tensor copied into a vector

@@ -96,6 +96,32 @@ def test_share_memory_on_a_received_tensor_keeps_the_senders_memory():
     assert torch.zeros(2).is_shared() is False  # torch's own answer for the rest
 
 
+class _CachedRows(torch.utils.data.Dataset):
+    """A cache in torch's shared memory, made before the workers fork, filled by them."""
+
+    def __init__(self, n):
+        self.cache = torch.zeros(n, 4).share_memory_()
+
+    def __len__(self):
+        return len(self.cache)
+
+    def __getitem__(self, i):
+        self.cache[i] = float(i)
+        return self.cache[i]  # a view of the cache, sent back through the result queue
+
+
+def test_a_shared_cache_filled_by_forked_dataloader_workers_reaches_the_main_process():
+    # Note [torch's shared memory through multiprocessing] in torch_ipc/_serialize.py:
+    # sending a view of the cache moved it away from the memory the main process maps.
+    ds = _CachedRows(16)
+    with torch_ipc.reductions():
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork",
+                                             timeout=TIMEOUT)
+        for epoch in range(2):
+            assert sum(float(x.sum()) for x in loader) == sum(4.0 * i for i in range(16)), epoch
+    assert ds.cache[:, 0].tolist() == [float(i) for i in range(16)], "the workers' fills never reached the cache"
+
+
 class _MyTensor(torch.Tensor):
     pass
 

@@ -71,7 +71,7 @@ from . import _channels
 
 __all__ = ["init_reductions", "restore_reductions", "reductions"]
 
-_STORAGE_TYPES = (torch.UntypedStorage, torch.storage.TypedStorage, *torch._storage_classes)
+_STORAGE_TYPES = _serialize._STORAGE_TYPES
 _REDUCED_TYPES = tuple(dict.fromkeys((torch.Tensor, torch.nn.Parameter, *_STORAGE_TYPES)))
 _saved = None  # (original dumps, {type: original reducer or None}, original Connection._send_bytes)
 _CONFIG_KEY = "torch_ipc.reductions"
@@ -100,7 +100,8 @@ _in_message = threading.local()  # .depth > 0 inside ForkingPickler.dumps
 def _reduce_one(obj):
     """The per-type reducer (Note [one payload, several loaders])."""
     one_reader = getattr(_in_message, "depth", 0) > 0
-    return (_rebuild, (_serialize.export_object(obj, while_referenced=not one_reader).data,))
+    with _serialize.torch_shm_by_torch():  # Note [torch's shared memory through multiprocessing]
+        return (_rebuild, (_serialize.export_object(obj, while_referenced=not one_reader).data,))
 
 
 def _counted(dumps):
@@ -133,6 +134,9 @@ def _dumps(cls, obj, protocol=None):
     plain, parts = _serialize.message(obj, protocol=protocol)  # without tensors: as multiprocessing pickles it
     if parts is None:
         return plain
+    if any(map(_serialize.maybe_mapped_elsewhere, parts[0])):  # Note [torch's shared memory through multiprocessing]
+        with _serialize.torch_shm_by_torch():
+            parts = _serialize.split(obj, protocol=protocol)
     sent = _serialize.export_object(obj, parts)
     data = pickle.dumps(_Message(sent.data), pickle.HIGHEST_PROTOCOL)
     if sent.live:
