@@ -61,6 +61,11 @@ void shutdown() {
   // else a later sweep removes it.
   if (import_stats().holds == 0) unlink_life_file();
   fd_server_unlink_path();
+  // What exited producers left (a Pool's workers end by SIGTERM, and forked
+  // children skip exit hooks): removed now, not at the next torch_ipc
+  // process's start, which may never come (only the proven dead: Note
+  // [unknown is not dead] in os/sweep.cpp).
+  sweep_stale_shm();
 }
 
 int sweep() {

@@ -264,3 +264,41 @@ def test_sweeping_keeps_no_pidfd_of_processes_that_exited():
         for p in producers:
             assert u.process_gone(p.pid)
         assert sweeper.call(_pidfds_after_sweep) == base, "pidfds of exited producers stay open"
+
+
+_POOL_THEN_EXIT = """
+import os, sys, torch, torch_ipc
+import torch.multiprocessing as mp
+
+def work(i):
+    return os.getpid(), torch.full((1 << 18,), float(i))
+
+if __name__ == "__main__":
+    torch_ipc.init_reductions()
+    with mp.get_context("fork").Pool(2) as pool:  # its workers end by SIGTERM: no exit hooks
+        got = pool.map(work, range(8), chunksize=1)
+    assert sum(float(t[0]) for _, t in got) == 28.0
+    print(" ".join(sorted({str(pid) for pid, _ in got})))
+"""
+
+
+def _private_shm_works() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    r = subprocess.run(["unshare", "--mount", "--fork", "true"], capture_output=True, timeout=30)
+    return r.returncode == 0
+
+
+@pytest.mark.skipif(not _private_shm_works(), reason="needs root and unshare --mount (a /dev/shm of its own)")
+def test_a_pools_results_leave_no_files_once_the_program_exits():
+    # shutdown() sweeps what exited producers left; in a /dev/shm of its own, no
+    # other torch_ipc process sweeps for it.
+    shell = ("mount -t tmpfs tmpfs /dev/shm || exit 3; \"$0\" -c \"$1\" > /tmp/pool.pids.$$ || exit 4; "
+             "test -s /tmp/pool.pids.$$ || exit 5; "
+             "for p in $(cat /tmp/pool.pids.$$); do ls /dev/shm | grep \"^torch_ipc\\.$p\\.\" ; done; "
+             "rm -f /tmp/pool.pids.$$; true")
+    env = dict(os.environ, PYTHONPATH=IMPORT_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run(["unshare", "--mount", "--fork", "bash", "-c", shell, sys.executable, _POOL_THEN_EXIT],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == [], f"files of the pool's workers left behind: {r.stdout.split()[:5]}"
