@@ -140,11 +140,13 @@ def _settle():
     torch.cuda.empty_cache()
 
 
-def _resources():
+def _resources(peer: int):
+    """fds (leaving out the sweep's pidfds of processes other than `peer`:
+    other programs' processes come and go), mappings, free GPU memory, stats."""
     with open("/proc/self/maps") as f:
         maps = sum(1 for _ in f)
     free, _ = torch.cuda.mem_get_info()
-    return len(os.listdir("/proc/self/fd")), maps, free, dict(_C.stats()), dict(torch_ipc.stats())
+    return u.open_fds(peer), maps, free, dict(_C.stats()), dict(torch_ipc.stats())
 
 
 def _cycle_produce(i):
@@ -414,7 +416,7 @@ def test_share_release_cycles_do_not_leak(producer, consumer):
     def measure():
         consumer.call(_settle)  # releases first, then the producer can reclaim
         producer.call(_settle)
-        return producer.call(_resources), consumer.call(_resources)
+        return producer.call(_resources, consumer.pid), consumer.call(_resources, producer.pid)
 
     p0, c0 = measure()
     for i in range(20, 1020):
