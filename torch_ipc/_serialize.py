@@ -17,6 +17,7 @@ own ``__reduce_ex__``, and the storage under it is shared: a subclass through
 a Queue arrives as that subclass, on the sender's memory.
 """
 
+import contextlib
 import copyreg
 import io
 import os
@@ -24,7 +25,7 @@ import pickle
 import re
 import threading
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, List, Optional
+from typing import Any, Iterator, List, Optional
 
 import torch
 
@@ -72,19 +73,16 @@ def maybe_mapped_elsewhere(t: torch.Tensor) -> bool:
     return maker != 0 and (maker != os.getpid() or _forked[0])
 
 
-def torch_shm_by_torch() -> "_TorchShmByTorch":
+@contextlib.contextmanager
+def torch_shm_by_torch() -> Iterator[None]:
     """While active on this thread, storages in torch's shared memory go to
     torch's reducers (Note [torch's shared memory through multiprocessing])."""
-    return _TorchShmByTorch()
-
-
-class _TorchShmByTorch:
-    def __enter__(self):
-        self.previous = getattr(_torch_shm, "on", False)
-        _torch_shm.on = True
-
-    def __exit__(self, *exc):
-        _torch_shm.on = self.previous
+    previous = getattr(_torch_shm, "on", False)
+    _torch_shm.on = True
+    try:
+        yield
+    finally:
+        _torch_shm.on = previous
 
 
 def _left_to_torch(t: torch.Tensor) -> bool:
@@ -122,8 +120,7 @@ class _Pickler(ForkingPickler):
         if isinstance(obj, torch.Tensor):
             if type(obj) not in _PLAIN_TENSORS or obj.is_nested:  # Note [tensors torch_ipc does not share itself]
                 return None
-            # Note [one shareability rule] in csrc/core/export.cpp
-            if not _C.shared_natively(obj) or _left_to_torch(obj):
+            if not _C.shared_natively(obj):  # Note [one shareability rule] in csrc/core/export.cpp
                 return None
             kind, tensor, extra = _TENSOR, obj, ()
         elif isinstance(obj, torch.UntypedStorage):
@@ -147,7 +144,8 @@ class _Pickler(ForkingPickler):
 
 
 def _reduce_unshared_tensor(t: torch.Tensor):
-    """Pickle a tensor that persistent_id left alone: meta and sparse ones."""
+    """Pickle a tensor that persistent_id left alone: meta, nested, sparse ones, and
+    those left to torch (Note [torch's shared memory through multiprocessing])."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     if t.is_meta or t.is_nested or (t.requires_grad and not t.is_leaf) or _left_to_torch(t):

@@ -150,9 +150,9 @@ _LITERAL, _DICT, _LIST, _SET, _SHARED, _COUNT = range(6)
 
 # Note [counts in a payload]
 # A few bytes can ask for any amount of memory: bytearray(2**40) zero-fills
-# it, torch.cuda.FloatTensor(2**34) takes it from the GPU, torch.FloatStorage
-# and torch.Tensor(n) too, and torch.load(weights_only=True) allows each (the
-# classes are on its list for the pickles that name them, not call them). A
+# it, torch.cuda.FloatTensor(2**34) takes it from the GPU, torch.Tensor(n)
+# from the host, and torch.load(weights_only=True) allows each (the classes
+# are on its list for the pickles that name them, not call them). A
 # load must not allocate far beyond its payload (docs/security.md), so the
 # walk refuses calls of tensor and storage classes (a payload of ours never
 # makes one), and calls of bytearray whose arguments hold an int of more

@@ -17,11 +17,10 @@
 
 namespace torch_ipc {
 
-enum class WaitEnd { Ready, Timeout, PeerGone, Closed, Interrupted };
-
-// A sleeping waiter asks wait_interrupted() each time its sleep ends with
-// nothing there: true stops the wait (WaitEnd::Interrupted; Note
+// How a wait ended. A sleeping waiter asks wait_interrupted() each time its
+// sleep ends with nothing there: true stops the wait (Interrupted; Note
 // [interruptible waits] in base/interrupt.h).
+enum class WaitEnd { Ready, Timeout, PeerGone, Closed, Interrupted };
 
 // What a wait looks at besides the ring: our own close, and whether the peer
 // is gone (its end of the socket closed): asked when a sleep or the deadline

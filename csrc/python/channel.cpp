@@ -35,25 +35,14 @@ class BufferView {
   Py_buffer view_;
 };
 
-// The InterruptCheck of the channel's waits (Note [interruptible waits] in
-// os/ring.cpp), called without the GIL: Python runs signal handlers in the
+// The InterruptCheck of every wait (Note [interruptible waits] in
+// base/interrupt.h), called without the GIL: Python runs signal handlers in the
 // main thread only, so other threads never take the GIL for it (a daemon
 // thread that took it at interpreter exit would not come back).
 bool python_signal_raised() {
   if (syscall(SYS_gettid) != getpid()) return false;
   py::gil_scoped_acquire gil;
-  return PyErr_CheckSignals() != 0;  // its exception stays set: the call raises it
-}
-
-// `call()` (which releases the GIL itself); a wait that a signal handler
-// ended raises the handler's exception.
-template <class Call>
-auto interruptible(Call call) {
-  try {
-    return call();
-  } catch (const WaitInterrupted&) {
-    throw py::error_already_set();
-  }
+  return PyErr_CheckSignals() != 0;  // its exception stays set: errors.cpp's translator raises it
 }
 
 // One message as bytes; None when the peer closed (before or during it).
@@ -87,25 +76,16 @@ py::object recv_message(Channel& channel, int64_t max_length) {
 
 void send_bytes(Channel& channel, const py::object& data) {
   BufferView view(data);
-  interruptible([&] {
-    py::gil_scoped_release no_gil;
-    channel.send(view.data(), view.size());
-  });
+  py::gil_scoped_release no_gil;
+  channel.send(view.data(), view.size());
 }
 
 // send_bytes that gives up after `timeout` seconds (Channel::send_within).
 int64_t send_bytes_within(Channel& channel, const py::object& data, double timeout) {
   BufferView view(data);
   const int64_t ns = timeout <= 0 ? 0 : int64_t(timeout * 1e9);
-  return interruptible([&] {
-    py::gil_scoped_release no_gil;
-    return channel.send_within(view.data(), view.size(), ns);
-  });
-}
-
-// One message as bytes; None when the peer closed (before or during it).
-py::object recv_bytes(Channel& channel, int64_t max_length) {
-  return interruptible([&] { return recv_message(channel, max_length); });
+  py::gil_scoped_release no_gil;
+  return channel.send_within(view.data(), view.size(), ns);
 }
 
 int64_t timeout_ns(const py::object& seconds) {
@@ -157,15 +137,13 @@ void bind_channel(py::module_& m) {
            py::arg("ring_bytes"), "takes the fds: they are closed with the channel, or now if a check fails")
       .def("send_bytes", &send_bytes, py::arg("data"))
       .def("send_bytes_within", &send_bytes_within, py::arg("data"), py::arg("timeout"))
-      .def("recv_bytes", &recv_bytes, py::arg("max_length") = -1)
+      .def("recv_bytes", &recv_message, py::arg("max_length") = -1)
       .def(
           "poll",
           [](Channel& c, const py::object& timeout) {
             int64_t ns = timeout_ns(timeout);
-            return interruptible([&] {
-              py::gil_scoped_release no_gil;
-              return c.poll(ns);
-            });
+            py::gil_scoped_release no_gil;
+            return c.poll(ns);
           },
           py::arg("timeout"))
       .def("fileno", &Channel::wait_fd, ReleaseGil())

@@ -7,7 +7,6 @@ authentication, so that what one side sent and the other never loaded is given b
 closes the connection or dies (Note [connection lifetime]).
 """
 
-import os
 import secrets
 import socket
 import struct
@@ -463,74 +462,49 @@ def check_authkey(authkey: Any, caller: str) -> None:
 # multiprocessing's Client waits as long as the listener takes: to accept
 # (a full backlog), to challenge, to answer. A listener that accepts and
 # then says nothing, or trickles, held connect() forever. With ``timeout``,
-# a timer shuts the socket down at the deadline, which ends whatever read or
-# write waits on it (a per-read SO_RCVTIMEO would let a trickle go on), and
-# the call raises TimeoutError. Without one it waits, as multiprocessing's
-# does (a listener may accept only once its model is loaded); Ctrl-C
-# interrupts it either way.
-class _Deadline:
-    def __init__(self, sock: socket.socket, timeout: Optional[float]):
-        self.expired, self._done, self._lock, self._timer = False, False, threading.Lock(), None
-        if timeout is not None:
-            self._timer = threading.Timer(timeout, self._expire, args=(sock,))
-            self._timer.daemon = True
-            self._timer.start()
-
-    def _expire(self, sock: socket.socket) -> None:
-        with self._lock:
-            if self._done:
-                return
-            self.expired = True
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def cancel(self) -> None:
-        with self._lock:
-            self._done = True
-        if self._timer is not None:
-            self._timer.cancel()
-
-
+# the connect waits at most that long, and the listener's own handshake
+# deadline (_listener._Deadline) then shuts the socket down at what is left,
+# which ends whatever read or write waits on it (a per-read SO_RCVTIMEO
+# would let a trickle go on): TimeoutError. Without one it waits, as
+# multiprocessing's does (a listener may accept only once its model is
+# loaded); Ctrl-C interrupts it either way.
 def _client(address: Address, family: Optional[str], authkey: bytes,
             max_bytes_in_flight: Optional[int], timeout: Optional[float] = None) -> Connection:
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be positive or None, got {timeout!r}")
     family = family or mpc.address_type(address)
+    started = time.monotonic()
     try:
-        sock = socket.socket(getattr(socket, family))
-    except (AttributeError, OSError) as e:
-        raise ValueError(f"torch_ipc: cannot connect to {address!r} (family {family}): {e}") from None
-    deadline = _Deadline(sock, timeout)
-    try:
-        try:
+        with socket.socket(getattr(socket, family)) as sock:
             sock.settimeout(timeout)
             sock.connect(address)
             sock.settimeout(None)
-            conn = mpc.Connection(os.dup(sock.fileno()))  # `sock` stays for the deadline's shutdown
-        except socket.timeout:
-            raise TimeoutError(f"torch_ipc: the listener at {address!r} did not accept within {timeout} s") from None
-        except OSError as e:
-            raise _with_address(e, f"cannot connect to {address!r}",
-                                "start the listener first, or check the address") from None
-        try:
-            mpc.answer_challenge(conn, authkey)
-            mpc.deliver_challenge(conn, authkey)
-            peer = _exchange_identities(conn)
-            end = _ring.offer(conn)
-        except BaseException as e:
-            conn.close()
-            if deadline.expired and isinstance(e, (EOFError, OSError, AuthenticationError)):
-                raise TimeoutError(f"torch_ipc: the listener at {address!r} did not finish the handshake "
-                                   f"within {timeout} s") from None
-            if isinstance(e, AuthenticationError):
-                raise AuthenticationError(f"torch_ipc: the listener at {address!r} refused this authkey ({e})") \
-                    from None
-            raise
-    finally:
-        deadline.cancel()
-        sock.close()
+            conn = mpc.Connection(sock.detach())
+    except AttributeError as e:
+        raise ValueError(f"torch_ipc: cannot connect to {address!r} (family {family}): {e}") from None
+    except socket.timeout:
+        raise TimeoutError(f"torch_ipc: the listener at {address!r} did not accept within {timeout} s") from None
+    except OSError as e:
+        raise _with_address(e, f"cannot connect to {address!r}",
+                            "start the listener first, or check the address") from None
+    deadline = None if timeout is None else _listener._Deadline(conn, max(timeout - (time.monotonic() - started), 1e-3))
+    late = TimeoutError(f"torch_ipc: the listener at {address!r} did not finish the handshake within {timeout} s")
+    try:
+        mpc.answer_challenge(conn, authkey)
+        mpc.deliver_challenge(conn, authkey)
+        peer = _exchange_identities(conn)
+        end = _ring.offer(conn)
+    except BaseException as e:
+        expired = deadline is not None and not deadline.finish()
+        conn.close()
+        if expired and isinstance(e, (EOFError, OSError, AuthenticationError)):
+            raise late from None
+        if isinstance(e, AuthenticationError):
+            raise AuthenticationError(f"torch_ipc: the listener at {address!r} refused this authkey ({e})") from None
+        raise
+    if deadline is not None and not deadline.finish():  # fired after the last step: the socket is shut down
+        end.close()
+        raise late
     return Connection(end, peer, max_bytes_in_flight=max_bytes_in_flight)
 
 
